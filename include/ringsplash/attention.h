@@ -1,0 +1,98 @@
+// Single-device block-sparse flash attention (SPEC §1–§2).
+//
+// Shapes (model layout; any strides, so [B,H,S,D] memory works as a view):
+//   q     [B, Sq, H, D]       f32 | bf16 | f16
+//   k     [B, Skv, Hkv, D]    same dtype as q, H % Hkv == 0 (GQA/MQA)
+//   v     [B, Skv, Hkv, Dv]   same dtype as q
+//   out   [B, Sq, H, Dv]      same dtype as q (or f32)
+//   lse   [B, H, Sq]          f32
+//   sinks [H]                 f32 (optional)
+//   q_segments [B, Sq], kv_segments [B, Skv]  i32 (optional, both or neither)
+// Query head h reads key/value head h / (H / Hkv); K/V are never replicated.
+// Accumulation is f32 whatever the input dtype.
+#ifndef RINGSPLASH_ATTENTION_H_
+#define RINGSPLASH_ATTENTION_H_
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "ringsplash/mask.h"
+#include "ringsplash/tensor.h"
+
+namespace ringsplash {
+
+// Tile sizes of the flash loop. Tuning knobs only: results do not change
+// beyond float rounding. Each must be a positive multiple of 16.
+struct BlockSizes {
+  int64_t q = 64;
+  int64_t kv = 128;
+};
+
+// Micro-kernel implementations. kAuto picks the fastest this CPU supports; the
+// environment variable RINGSPLASH_KERNEL=portable|avx512|avx512_bf16 overrides
+// kAuto (tests use the option directly). Forcing an unsupported path is an Error.
+enum class KernelPath { kAuto, kPortable, kAvx512, kAvx512Bf16 };
+const char* KernelPathName(KernelPath path);
+KernelPath ParseKernelPath(const std::string& text);
+// Paths usable on this machine (never includes kAuto; always includes kPortable).
+std::vector<KernelPath> SupportedKernelPaths();
+// What kAuto resolves to here (after the environment override).
+KernelPath ResolveKernelPath(KernelPath requested);
+
+struct AttentionOptions {
+  Mask mask;                     // default Full
+  std::optional<float> scale;    // default 1/sqrt(D)
+  std::optional<float> softcap;  // cap > 0: s = cap * tanh(s / cap)
+  BlockSizes block_sizes;
+  int num_threads = 0;  // 0: all hardware threads
+  KernelPath kernel_path = KernelPath::kAuto;
+};
+
+// Inputs of one attention call. Positions are the GLOBAL token positions of
+// the rows held (masks are evaluated on them); empty means 0..S-1.
+struct AttentionInputs {
+  TensorView q, k, v;
+  TensorView sinks;        // optional
+  TensorView q_segments;   // optional
+  TensorView kv_segments;  // optional
+  std::vector<int64_t> q_positions;
+  std::vector<int64_t> kv_positions;
+};
+
+// Counters of the block-sparse loop, summed over batch, heads and threads.
+// A block is one (bq x bkv) tile for one (batch, query head).
+struct KernelStats {
+  int64_t computed_blocks = 0;  // tiles whose FLOPs were spent
+  int64_t full_blocks = 0;      // ... of which needed no element mask
+  int64_t partial_blocks = 0;   // ... of which needed an element mask
+  int64_t skipped_blocks = 0;   // tiles ruled out by mask or segments
+  double flops = 0;             // FLOPs spent on computed tiles (matmuls only)
+  void Add(const KernelStats& o) {
+    computed_blocks += o.computed_blocks;
+    full_blocks += o.full_blocks;
+    partial_blocks += o.partial_blocks;
+    skipped_blocks += o.skipped_blocks;
+    flops += o.flops;
+  }
+};
+
+// Forward: writes out and lse. Throws Error on any invalid argument.
+void AttentionForward(const AttentionInputs& in, const AttentionOptions& opt, TensorView out,
+                      TensorView lse, KernelStats* stats = nullptr);
+
+// Backward, given the forward's out and lse and the upstream gradient dout
+// (shape of out). Writes dq, dk, dv (shapes of q, k, v; f32 or the input
+// dtype) and, when sinks are given, dsinks [H] f32.
+void AttentionBackward(const AttentionInputs& in, const AttentionOptions& opt, TensorView out,
+                       TensorView lse, TensorView dout, TensorView dq, TensorView dk,
+                       TensorView dv, TensorView dsinks, KernelStats* stats = nullptr);
+
+// Validates inputs and options as both entry points do (exposed for the ring
+// and the CLI so every layer reports the same messages). Returns nothing; throws.
+void ValidateAttentionInputs(const AttentionInputs& in, const AttentionOptions& opt);
+
+}  // namespace ringsplash
+
+#endif  // RINGSPLASH_ATTENTION_H_

@@ -1,0 +1,36 @@
+// ringsplash::Error — the one exception type thrown at the public API.
+//
+// Every message names the argument at fault, what was expected and what was
+// given, so a user can act on it without reading the source.
+#ifndef RINGSPLASH_ERROR_H_
+#define RINGSPLASH_ERROR_H_
+
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <utility>
+
+namespace ringsplash {
+
+class Error : public std::runtime_error {
+ public:
+  explicit Error(const std::string& message) : std::runtime_error(message) {}
+};
+
+// Builds a message from streamable parts: Fail("q: expected 4 dims, got ", n).
+template <typename... Args>
+[[noreturn]] void Fail(Args&&... args) {
+  std::ostringstream os;
+  (os << ... << std::forward<Args>(args));
+  throw Error(os.str());
+}
+
+// Throws Error with the given parts unless `condition` holds.
+template <typename... Args>
+void Check(bool condition, Args&&... args) {
+  if (!condition) Fail(std::forward<Args>(args)...);
+}
+
+}  // namespace ringsplash
+
+#endif  // RINGSPLASH_ERROR_H_

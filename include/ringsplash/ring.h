@@ -1,0 +1,103 @@
+// Ring attention across ranks (SPEC §4): queries stay on their rank, key/value
+// slices (with their kv segment ids) travel to rank+1 each step, and each step
+// runs the block-sparse kernel with masks on global positions.
+#ifndef RINGSPLASH_RING_H_
+#define RINGSPLASH_RING_H_
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "ringsplash/attention.h"
+#include "ringsplash/comm.h"
+#include "ringsplash/tensor.h"
+
+namespace ringsplash {
+
+// How global positions are dealt out to ranks (same layout for q and k/v).
+//   contiguous: rank r holds [r*S/N, (r+1)*S/N)
+//   zigzag:     rank r holds chunks r and 2N-1-r of 2N equal chunks
+//   striped:    rank r holds tokens t with t mod N == r
+enum class Layout { kContiguous, kZigzag, kStriped };
+const char* LayoutName(Layout layout);
+Layout ParseLayout(const std::string& text);
+
+// Global positions (increasing) of rank `rank`'s local rows for a sequence of
+// `seq_len` tokens. Throws Error if seq_len does not divide (by N, or 2N for
+// zigzag), naming `what` (e.g. "q sequence length").
+std::vector<int64_t> LayoutPositions(Layout layout, int64_t seq_len, int rank, int num_ranks,
+                                     const char* what = "sequence length");
+// Copies rank `rank`'s rows of `global` (dim 1 is the sequence) into `local`.
+void ShardSequence(Layout layout, int rank, int num_ranks, const TensorView& global,
+                   const TensorView& local);
+// Copies `local` rows back into their places of `global` (dim `seq_dim`).
+void GatherSequence(Layout layout, int rank, int num_ranks, const TensorView& local,
+                    const TensorView& global, int seq_dim = 1);
+
+// Which rank fails, where — for fault-injection tests (RINGSPLASH_FAULT=R:S[:bwd]).
+struct FaultSpec {
+  int rank = -1;
+  int step = -1;
+  bool backward = false;
+  // Parses "R:S" or "R:S:bwd"; throws Error on anything else.
+  static FaultSpec Parse(const std::string& text);
+  // From the environment variable RINGSPLASH_FAULT, if set.
+  static std::optional<FaultSpec> FromEnv();
+};
+
+struct RingOptions {
+  AttentionOptions attention;  // num_threads = kernel threads of this rank (0: cores / N, >= 1)
+  Layout layout = Layout::kZigzag;
+  std::optional<FaultSpec> fault;  // default: FaultSpec::FromEnv()
+};
+
+// What one ring step cost on this rank.
+struct RingStepStats {
+  int source_rank = 0;        // whose k/v slice was processed
+  double compute_seconds = 0;  // kernel time
+  double comm_wait_seconds = 0;  // time blocked in Wait (exposed communication)
+  KernelStats kernel;
+};
+struct RankStats {
+  int rank = 0;
+  std::vector<RingStepStats> forward_steps;
+  std::vector<RingStepStats> backward_steps;
+  double compute_seconds() const;
+  double comm_wait_seconds() const;
+  double flops() const;
+  int64_t computed_blocks() const;
+  int64_t skipped_blocks() const;
+};
+
+// Per-rank entry points. `local` holds this rank's shards (dim 1 = local rows
+// in layout order); q_positions/kv_positions must be empty (the ring derives
+// them from the layout). Global lengths are local lengths * N. Collective:
+// every rank of `comm` must call it.
+void RingAttentionForward(Communicator& comm, const AttentionInputs& local,
+                          const RingOptions& options, TensorView out, TensorView lse,
+                          RankStats* stats = nullptr);
+// Backward: dq/dk/dv are this rank's shards; dsinks [H] is the global
+// gradient (identical on every rank).
+void RingAttentionBackward(Communicator& comm, const AttentionInputs& local,
+                           const RingOptions& options, TensorView out, TensorView lse,
+                           TensorView dout, TensorView dq, TensorView dk, TensorView dv,
+                           TensorView dsinks, RankStats* stats = nullptr);
+
+// Convenience for one process: shards GLOBAL tensors over `num_ranks` thread
+// ranks, runs the ring (forward, and backward when dout is defined), gathers
+// the results into the global outputs. Returns per-rank stats.
+struct RingRun {
+  int num_ranks = 1;
+  RingOptions options;
+  CommOptions comm;
+};
+std::vector<RankStats> RingAttentionThreads(const RingRun& run, const AttentionInputs& global,
+                                            TensorView out, TensorView lse,
+                                            TensorView dout = {}, TensorView dq = {},
+                                            TensorView dk = {}, TensorView dv = {},
+                                            TensorView dsinks = {});
+
+}  // namespace ringsplash
+
+#endif  // RINGSPLASH_RING_H_

@@ -1,0 +1,110 @@
+// Non-owning strided tensor views and a small owning tensor.
+//
+// Attention tensors are 4-D ([B, S, H, D] in model layout). A view carries
+// per-dimension strides in elements, so memory laid out as [B, H, S, D] is
+// passed as a [B, S, H, D] view with permuted strides — no copy.
+#ifndef RINGSPLASH_TENSOR_H_
+#define RINGSPLASH_TENSOR_H_
+
+#include <array>
+#include <cstdint>
+#include <cstring>
+#include <initializer_list>
+#include <string>
+#include <vector>
+
+namespace ringsplash {
+
+enum class DType : uint8_t { kF32, kBF16, kF16, kI32, kBool };
+
+// Bytes per element.
+size_t DTypeSize(DType dtype);
+// "f32", "bf16", "f16", "i32", "bool".
+const char* DTypeName(DType dtype);
+// Parses a DTypeName; throws Error naming `what` for anything else.
+DType ParseDType(const std::string& text, const char* what = "dtype");
+
+// bf16 <-> f32: round-to-nearest-even, NaN stays NaN.
+inline uint16_t F32ToBF16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+inline float BF16ToF32(uint16_t h) {
+  uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+// IEEE half <-> f32 (round-to-nearest-even; overflow goes to +-inf).
+float F16ToF32(uint16_t h);
+uint16_t F32ToF16(float f);
+
+constexpr int kMaxDims = 4;
+
+// A view of `ndim` dimensions; shape[i] and stride[i] (in elements) for
+// i < ndim. Does not own `data`. Inputs are never written through a view the
+// API documents as an input.
+struct TensorView {
+  void* data = nullptr;
+  DType dtype = DType::kF32;
+  int ndim = 0;
+  std::array<int64_t, kMaxDims> shape{};
+  std::array<int64_t, kMaxDims> stride{};
+
+  // Row-major (C order) view of `shape`.
+  static TensorView Contiguous(void* data, DType dtype, std::initializer_list<int64_t> shape);
+  static TensorView Contiguous(void* data, DType dtype, const std::vector<int64_t>& shape);
+
+  bool defined() const { return data != nullptr; }
+  int64_t numel() const;
+  bool is_contiguous() const;
+  // Swaps dims a and b (strides follow), e.g. [B,H,S,D] -> [B,S,H,D].
+  TensorView Transposed(int a, int b) const;
+  // "[2, 128, 8, 64] bf16" for messages.
+  std::string Describe() const;
+  // Element offset of a 4-D index (unused trailing indices are 0).
+  int64_t Offset(int64_t i0, int64_t i1 = 0, int64_t i2 = 0, int64_t i3 = 0) const {
+    return i0 * stride[0] + i1 * stride[1] + i2 * stride[2] + i3 * stride[3];
+  }
+};
+
+// Owning, C-order tensor (64-byte aligned). Used by the CLI, tests and the
+// ring's scratch buffers.
+class Tensor {
+ public:
+  Tensor() = default;
+  Tensor(DType dtype, std::vector<int64_t> shape);  // zero-filled
+  Tensor(const Tensor&) = delete;
+  Tensor& operator=(const Tensor&) = delete;
+  Tensor(Tensor&&) noexcept;
+  Tensor& operator=(Tensor&&) noexcept;
+  ~Tensor();
+
+  TensorView view() const;
+  void* data() const { return data_; }
+  template <typename T>
+  T* data_as() const { return static_cast<T*>(data_); }
+  DType dtype() const { return dtype_; }
+  const std::vector<int64_t>& shape() const { return shape_; }
+  int64_t numel() const;
+  size_t bytes() const { return static_cast<size_t>(numel()) * DTypeSize(dtype_); }
+
+ private:
+  void* data_ = nullptr;
+  DType dtype_ = DType::kF32;
+  std::vector<int64_t> shape_;
+};
+
+// Reads element `offset` of a float-like view (f32/bf16/f16) as f32.
+float LoadAsF32(const TensorView& t, int64_t offset);
+// Writes f32 `value` into element `offset`, rounding to the view's dtype.
+void StoreFromF32(const TensorView& t, int64_t offset, float value);
+// Copies/converts src into dst elementwise (same shape, any strides, float-like dtypes).
+void CopyConvert(const TensorView& src, const TensorView& dst);
+
+}  // namespace ringsplash
+
+#endif  // RINGSPLASH_TENSOR_H_

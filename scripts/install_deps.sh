@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Installs the Debian packages ringsplash needs to build, test and benchmark.
+# Idempotent: skips apt entirely when everything is already there.
+set -euo pipefail
+packages=(
+  cmake make g++ clang-14 libclang-rt-14-dev   # compilers; clang runtime for libFuzzer/sanitizers
+  libgtest-dev libgmock-dev libbenchmark-dev    # tests and micro-benchmarks
+  libopenmpi-dev openmpi-bin                    # the MPI backend
+  libcli11-dev nlohmann-json3-dev               # the command line and its JSON output
+  gnuplot-nox                                   # docs/PERFORMANCE.md plot
+)
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -eq 0 ]; then
+  echo "install_deps: all ${#packages[@]} packages present"
+  exit 0
+fi
+echo "install_deps: installing ${missing[*]}"
+SUDO=""
+[ "$(id -u)" -eq 0 ] || SUDO="sudo"
+export DEBIAN_FRONTEND=noninteractive
+$SUDO apt-get update -qq
+$SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"

@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# Runs the whole test suite (builds first if needed). Extra args go to ctest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if [ ! -f build/CMakeCache.txt ]; then bash scripts/setup.sh; fi
+cmake --build build -j"$(nproc)"
+# Open MPI refuses root without these; the MPI tests run ranks as processes.
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+ctest --test-dir build --output-on-failure -j"$(nproc)" "$@"

@@ -1,0 +1,56 @@
+// The block-sparse flash kernels every entry point runs (SPEC §2), in the
+// spirit of flash-attention's flash.h: one documented parameter struct, the
+// variants (dtype, micro-kernel path) chosen inside.
+//
+// Callers validate inputs first (ValidateAttentionInputs); kernels assume
+// checked shapes. Sinks are NOT applied here: the forward produces a partial
+// (out, lse) over the given k/v only, so the ring can merge steps and add
+// sinks once per row (see combine.h).
+#ifndef RINGSPLASH_KERNELS_FLASH_H_
+#define RINGSPLASH_KERNELS_FLASH_H_
+
+#include <cstdint>
+
+#include "ringsplash/attention.h"
+#include "ringsplash/mask.h"
+#include "ringsplash/tensor.h"
+#include "src/kernels/thread_pool.h"
+
+namespace ringsplash::kernels {
+
+struct FlashParams {
+  TensorView q;  // [B, Sq, H, D]    f32 | bf16 | f16, any strides
+  TensorView k;  // [B, Skv, Hkv, D] same dtype
+  TensorView v;  // [B, Skv, Hkv, Dv] same dtype
+  TensorView q_segments;   // [B, Sq] i32, or undefined
+  TensorView kv_segments;  // [B, Skv] i32, or undefined (defined iff q_segments is)
+  const int64_t* q_pos = nullptr;   // [Sq] global positions of q rows
+  const int64_t* kv_pos = nullptr;  // [Skv] global positions of k/v rows
+  const Mask* mask = nullptr;
+  float scale = 1.0f;
+  float softcap = 0.0f;  // 0: no soft cap
+  BlockSizes blocks;
+  KernelPath path = KernelPath::kPortable;  // resolved: never kAuto
+};
+
+// Partial forward over the given k/v, no sinks.
+//   out [B, Sq, H, Dv] f32 contiguous: softmax-normalised over the allowed keys
+//   lse [B, H, Sq]     f32 contiguous
+// A row with no allowed key gets out = 0 and lse = -inf (never NaN).
+void FlashForward(const FlashParams& p, ThreadPool& pool, float* out, float* lse,
+                  KernelStats* stats);
+
+// Backward contribution of this (q, k/v) pair, ACCUMULATED (+=) into f32
+// contiguous buffers, so the ring can add step after step:
+//   dq_acc [B, Sq, H, D], dk_acc [B, Skv, Hkv, D], dv_acc [B, Skv, Hkv, Dv]
+// dout [B, Sq, H, Dv] (dtype of q or f32, any strides); lse [B, H, Sq] is the
+// FINAL lse (all k/v and sinks); delta [B, H, Sq] = rowsum(dout * out) (f32).
+// dk/dv sum over every query head of a group. Race-free and deterministic:
+// no float atomics; the result does not depend on the thread count.
+void FlashBackward(const FlashParams& p, ThreadPool& pool, const TensorView& dout,
+                   const float* lse, const float* delta, float* dq_acc, float* dk_acc,
+                   float* dv_acc, KernelStats* stats);
+
+}  // namespace ringsplash::kernels
+
+#endif  // RINGSPLASH_KERNELS_FLASH_H_

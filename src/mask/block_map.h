@@ -1,0 +1,109 @@
+// Block-sparsity metadata (the splash "MaskInfo" idea, SPEC §3).
+//
+// For block sizes (bq, bkv) and the global positions of the rows held, every
+// (q block, kv block) tile is classified as empty (never touched), full (no
+// per-element mask work) or partial (needs an element mask). Structured masks
+// are classified analytically from each block's [min, max] position range in
+// O(1) per tile; the map stores run-length encoded rows, so memory is
+// O(number of runs) — a 1M-token causal mask never allocates 1M x 1M anything.
+// Dense masks are classified by scanning their tiles; identical partial tiles
+// are stored once (de-duplicated) and referenced by index.
+#ifndef RINGSPLASH_MASK_BLOCK_MAP_H_
+#define RINGSPLASH_MASK_BLOCK_MAP_H_
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "ringsplash/mask.h"
+
+namespace ringsplash::mask {
+
+enum class BlockKind : uint8_t { kEmpty = 0, kPartial = 1, kFull = 2 };
+
+// A run of consecutive tiles of one kind along a row (or column) of the map:
+// minor-block indices [begin, end).
+struct BlockRun {
+  int32_t begin = 0;
+  int32_t end = 0;
+  BlockKind kind = BlockKind::kEmpty;
+};
+
+// Per-block [min, max] of positions (or segment ids) — what analytic
+// classification needs. Built once per slice in O(S).
+struct BlockRanges {
+  int64_t block = 0;
+  std::vector<int64_t> lo, hi;  // one entry per block
+  static BlockRanges Of(std::span<const int64_t> values, int64_t block);
+  static BlockRanges Of(std::span<const int32_t> values, int64_t block);
+  int64_t num_blocks() const { return static_cast<int64_t>(lo.size()); }
+};
+
+// Classifies one tile of `mask` for query head `head` given the position
+// ranges of its q rows and kv columns. Exact for empty and full (never claims
+// empty or full wrongly); may say partial when unsure.
+BlockKind ClassifyTile(const Mask& mask, int64_t head, int64_t q_lo, int64_t q_hi,
+                       int64_t kv_lo, int64_t kv_hi);
+// Segment refinement: tiles whose q and kv segment-id ranges do not meet are
+// empty; tiles where all q and kv ids are one and the same value are full.
+BlockKind ClassifySegments(int64_t q_lo, int64_t q_hi, int64_t kv_lo, int64_t kv_hi);
+// Combines a mask kind and a segment kind (empty wins, full needs both).
+inline BlockKind Combine(BlockKind a, BlockKind b) {
+  if (a == BlockKind::kEmpty || b == BlockKind::kEmpty) return BlockKind::kEmpty;
+  if (a == BlockKind::kFull && b == BlockKind::kFull) return BlockKind::kFull;
+  return BlockKind::kPartial;
+}
+
+// Fills out[i * ld + j] = allowed(head, q_pos[i], kv_pos[j]) ? 1 : 0 for
+// i < q_pos.size(), j < kv_pos.size(). Vectorisable per leaf; used for
+// partial tiles (O(bq * bkv), small next to the tile's O(bq * bkv * D) FLOPs).
+void FillTileMask(const Mask& mask, int64_t head, std::span<const int64_t> q_pos,
+                  std::span<const int64_t> kv_pos, uint8_t* out, int64_t ld);
+
+class BlockMap {
+ public:
+  // Row-major map (rows = q blocks, runs over kv blocks) when by_column is
+  // false; column-major (rows = kv blocks, runs over q blocks) when true —
+  // the backward's dK/dV pass walks columns. num_query_heads is H; the map
+  // has one plane per head only if the mask depends on the head.
+  static BlockMap Build(const Mask& mask, std::span<const int64_t> q_pos,
+                        std::span<const int64_t> kv_pos, int64_t bq, int64_t bkv,
+                        int64_t num_query_heads, bool by_column = false);
+
+  int64_t bq() const { return bq_; }
+  int64_t bkv() const { return bkv_; }
+  int64_t num_q_blocks() const { return nqb_; }
+  int64_t num_kv_blocks() const { return nkvb_; }
+  bool by_column() const { return by_column_; }
+  // Number of head planes (1 when the mask is head-independent).
+  int64_t num_planes() const { return planes_; }
+  // Non-empty runs of major-block `row` for query head `head`.
+  std::span<const BlockRun> Runs(int64_t head, int64_t row) const;
+  // Element mask of a partial tile (q block qb, kv block kvb) into
+  // out[i * ld + j]; uses the de-duplicated store for Dense masks.
+  void FillPartial(int64_t head, int64_t qb, int64_t kvb, uint8_t* out, int64_t ld) const;
+  // Tiles of each kind over all planes (for tests and accounting).
+  int64_t Count(BlockKind kind) const;
+  // Unique partial tile patterns stored for Dense masks (0 for structured).
+  int64_t num_unique_partial_tiles() const;
+  // Bytes held by the map (O(runs + unique dense tiles)).
+  size_t memory_bytes() const;
+
+ private:
+  // Implementation detail members; defined in block_map.cc.
+  const Mask* mask_ = nullptr;
+  Mask mask_copy_;
+  std::vector<int64_t> q_pos_, kv_pos_;
+  int64_t bq_ = 0, bkv_ = 0, nqb_ = 0, nkvb_ = 0, planes_ = 1;
+  bool by_column_ = false;
+  std::vector<BlockRun> runs_;
+  std::vector<int64_t> row_offsets_;  // [planes * rows + 1] into runs_
+  int64_t counts_[3] = {0, 0, 0};
+  // Dense de-duplication: tile id per partial tile and unique tile bitmaps.
+  std::vector<int32_t> dense_tile_ids_;  // indexed like the tiles, -1 if not partial
+  std::vector<std::vector<uint8_t>> dense_tiles_;
+};
+
+}  // namespace ringsplash::mask
+
+#endif  // RINGSPLASH_MASK_BLOCK_MAP_H_
