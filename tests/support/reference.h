@@ -1,0 +1,48 @@
+// The f64 dense reference: SPEC §2 implemented literally, forward and
+// backward, O(Sq * Skv) per (b, h). Every numeric test compares against it
+// (it is itself checked by finite differences in reference_test.cc).
+#ifndef RINGSPLASH_TESTS_SUPPORT_REFERENCE_H_
+#define RINGSPLASH_TESTS_SUPPORT_REFERENCE_H_
+
+#include <cstdint>
+#include <vector>
+
+#include "ringsplash/mask.h"
+
+namespace ringsplash::testing {
+
+// All tensors f64 (or i32 segments), C order, model layout.
+struct RefProblem {
+  int64_t b = 1, sq = 0, skv = 0, h = 1, hkv = 1, d = 0, dv = 0;
+  std::vector<double> q;         // [B, Sq, H, D]
+  std::vector<double> k;         // [B, Skv, Hkv, D]
+  std::vector<double> v;         // [B, Skv, Hkv, Dv]
+  std::vector<double> sinks;     // [H] or empty
+  std::vector<int32_t> q_seg;    // [B, Sq] or empty
+  std::vector<int32_t> kv_seg;   // [B, Skv] or empty
+  std::vector<int64_t> q_pos;    // [Sq] global positions, empty: 0..Sq-1
+  std::vector<int64_t> kv_pos;   // [Skv], empty: 0..Skv-1
+  Mask mask;
+  double scale = 0;    // 0: 1/sqrt(D)
+  double softcap = 0;  // 0: none
+};
+
+struct RefForward {
+  std::vector<double> out;  // [B, Sq, H, Dv]
+  std::vector<double> lse;  // [B, H, Sq]; -inf for rows with nothing allowed and no sink
+};
+
+struct RefBackward {
+  std::vector<double> dq;      // [B, Sq, H, D]
+  std::vector<double> dk;      // [B, Skv, Hkv, D]
+  std::vector<double> dv;      // [B, Skv, Hkv, Dv]
+  std::vector<double> dsinks;  // [H] (empty without sinks)
+};
+
+RefForward ReferenceForward(const RefProblem& p);
+// dout: [B, Sq, H, Dv].
+RefBackward ReferenceBackward(const RefProblem& p, const std::vector<double>& dout);
+
+}  // namespace ringsplash::testing
+
+#endif  // RINGSPLASH_TESTS_SUPPORT_REFERENCE_H_
