@@ -1,0 +1,221 @@
+// Public single-device entry points (include/ringsplash/attention.h): validate,
+// run the block-sparse flash kernels into f32 buffers, add sinks, convert into
+// the caller's views.
+//
+// Data flow of the forward:
+//   FlashForward -> out32 [B, Sq, H, Dv], lse32 [B, H, Sq] (partial, no sinks)
+//   ApplySinks   -> final out32, lse32
+//   CopyConvert  -> the caller's out (any strides, dtype of q or f32) and lse
+// The backward mirrors it: delta = rowsum(dout * out), zeroed f32 dq/dk/dv
+// accumulators, FlashBackward, CopyConvert; dsinks from (sinks, lse, delta).
+// When a caller's view is already f32 and contiguous the kernels write into
+// it directly (no scratch, no copy).
+#include "ringsplash/attention.h"
+
+#include <cmath>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <numeric>
+#include <vector>
+
+#include "ringsplash/error.h"
+#include "src/kernels/combine.h"
+#include "src/kernels/flash.h"
+#include "src/kernels/thread_pool.h"
+#include "src/kernels/validate.h"
+
+namespace ringsplash {
+
+namespace {
+
+using kernels::AttentionDims;
+using kernels::ThreadPool;
+
+// Thread pools are kept between calls (spawning threads per call would cost
+// more than a small attention). A pool is leased exclusively for one call, so
+// concurrent callers (e.g. ranks of the threads communicator calling the
+// single-device API) never share one; a second concurrent caller with the same
+// thread count gets a second pool, which is then kept too.
+class PoolCache {
+ public:
+  static PoolCache& Get() {
+    static PoolCache cache;
+    return cache;
+  }
+
+  std::unique_ptr<ThreadPool> Acquire(int num_threads) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto& idle = idle_[num_threads];
+      if (!idle.empty()) {
+        std::unique_ptr<ThreadPool> pool = std::move(idle.back());
+        idle.pop_back();
+        return pool;
+      }
+    }
+    return std::make_unique<ThreadPool>(num_threads);
+  }
+
+  void Release(int num_threads, std::unique_ptr<ThreadPool> pool) {
+    std::lock_guard<std::mutex> lock(mu_);
+    idle_[num_threads].push_back(std::move(pool));
+  }
+
+ private:
+  std::mutex mu_;
+  std::map<int, std::vector<std::unique_ptr<ThreadPool>>> idle_;
+};
+
+class PoolLease {
+ public:
+  explicit PoolLease(int num_threads)
+      : num_threads_(num_threads), pool_(PoolCache::Get().Acquire(num_threads)) {}
+  ~PoolLease() { PoolCache::Get().Release(num_threads_, std::move(pool_)); }
+  PoolLease(const PoolLease&) = delete;
+  PoolLease& operator=(const PoolLease&) = delete;
+  ThreadPool& pool() { return *pool_; }
+
+ private:
+  int num_threads_;
+  std::unique_ptr<ThreadPool> pool_;
+};
+
+std::vector<int64_t> PositionsOrIota(const std::vector<int64_t>& given, int64_t n) {
+  if (!given.empty()) return given;
+  std::vector<int64_t> pos(static_cast<size_t>(n));
+  std::iota(pos.begin(), pos.end(), int64_t{0});
+  return pos;
+}
+
+// Everything the kernels need besides the output buffers. Owns the position
+// vectors FlashParams points into.
+struct Prepared {
+  AttentionDims dims;
+  std::vector<int64_t> q_pos, kv_pos;
+  kernels::FlashParams params;
+  std::vector<float> sinks;  // [H] contiguous copy, empty without sinks
+};
+
+void Prepare(const AttentionInputs& in, const AttentionOptions& opt, const AttentionDims& dims,
+             Prepared& pr) {
+  pr.dims = dims;
+  pr.q_pos = PositionsOrIota(in.q_positions, dims.sq);
+  pr.kv_pos = PositionsOrIota(in.kv_positions, dims.skv);
+  kernels::FlashParams& p = pr.params;
+  p.q = in.q;
+  p.k = in.k;
+  p.v = in.v;
+  p.q_segments = in.q_segments;
+  p.kv_segments = in.kv_segments;
+  p.q_pos = pr.q_pos.data();
+  p.kv_pos = pr.kv_pos.data();
+  p.mask = &opt.mask;
+  p.scale = opt.scale ? *opt.scale : 1.0f / std::sqrt(static_cast<float>(dims.d));
+  p.softcap = opt.softcap ? *opt.softcap : 0.0f;
+  p.blocks = opt.block_sizes;
+  p.path = ResolveKernelPath(opt.kernel_path);
+  if (in.sinks.defined()) {
+    pr.sinks.resize(static_cast<size_t>(dims.h));
+    for (int64_t h = 0; h < dims.h; ++h) pr.sinks[h] = LoadAsF32(in.sinks, h * in.sinks.stride[0]);
+  }
+}
+
+bool IsF32Contiguous(const TensorView& t) { return t.dtype == DType::kF32 && t.is_contiguous(); }
+
+// An f32 contiguous buffer of `shape` for a result that ends up in `user`:
+// the user's own memory when it is already f32 contiguous, else scratch that
+// Finish() converts into it.
+class F32Buffer {
+ public:
+  F32Buffer(const TensorView& user, std::vector<int64_t> shape, bool zero) : user_(user) {
+    if (IsF32Contiguous(user)) {
+      ptr_ = static_cast<float*>(user.data);
+      if (zero) std::memset(ptr_, 0, static_cast<size_t>(user.numel()) * sizeof(float));
+    } else {
+      scratch_ = Tensor(DType::kF32, std::move(shape));  // zero-filled
+      ptr_ = scratch_.data_as<float>();
+    }
+  }
+  float* get() const { return ptr_; }
+  void Finish() const {
+    if (scratch_.data() != nullptr) CopyConvert(scratch_.view(), user_);
+  }
+
+ private:
+  TensorView user_;
+  Tensor scratch_;
+  float* ptr_ = nullptr;
+};
+
+kernels::RowShape RowShapeOf(const AttentionDims& d) { return {d.b, d.sq, d.h, d.dv}; }
+
+}  // namespace
+
+void AttentionForward(const AttentionInputs& in, const AttentionOptions& opt, TensorView out,
+                      TensorView lse, KernelStats* stats) {
+  const AttentionDims dims = kernels::ValidateInputsAndOptions(in, opt);
+  kernels::ValidateForwardOutputs(dims, in.q.dtype, out, lse);
+  Prepared pr;
+  Prepare(in, opt, dims, pr);
+
+  F32Buffer out32(out, {dims.b, dims.sq, dims.h, dims.dv}, /*zero=*/false);
+  F32Buffer lse32(lse, {dims.b, dims.h, dims.sq}, /*zero=*/false);
+  KernelStats local;
+  {
+    PoolLease lease(opt.num_threads);
+    kernels::FlashForward(pr.params, lease.pool(), out32.get(), lse32.get(), &local);
+  }
+  if (!pr.sinks.empty()) {
+    kernels::ApplySinks(RowShapeOf(dims), out32.get(), lse32.get(), pr.sinks.data());
+  }
+  out32.Finish();
+  lse32.Finish();
+  if (stats != nullptr) *stats = local;
+}
+
+void AttentionBackward(const AttentionInputs& in, const AttentionOptions& opt, TensorView out,
+                       TensorView lse, TensorView dout, TensorView dq, TensorView dk, TensorView dv,
+                       TensorView dsinks, KernelStats* stats) {
+  const AttentionDims dims = kernels::ValidateInputsAndOptions(in, opt);
+  kernels::ValidateBackwardArgs(dims, in, out, lse, dout, dq, dk, dv, dsinks);
+  Prepared pr;
+  Prepare(in, opt, dims, pr);
+
+  // delta [B, H, Sq] = rowsum(dout * out), from the caller's (possibly
+  // rounded) out — the quantity the softmax backward needs for that out.
+  std::vector<float> delta(static_cast<size_t>(dims.b * dims.h * dims.sq));
+  kernels::ComputeDelta(dout, out, delta.data());
+
+  // The kernels read lse as contiguous f32 [B, H, Sq].
+  Tensor lse_copy;
+  const float* lse32 = static_cast<const float*>(lse.data);
+  if (!IsF32Contiguous(lse)) {
+    lse_copy = Tensor(DType::kF32, {dims.b, dims.h, dims.sq});
+    CopyConvert(lse, lse_copy.view());
+    lse32 = lse_copy.data_as<float>();
+  }
+
+  F32Buffer dq32(dq, {dims.b, dims.sq, dims.h, dims.d}, /*zero=*/true);
+  F32Buffer dk32(dk, {dims.b, dims.skv, dims.hkv, dims.d}, /*zero=*/true);
+  F32Buffer dv32(dv, {dims.b, dims.skv, dims.hkv, dims.dv}, /*zero=*/true);
+  KernelStats local;
+  {
+    PoolLease lease(opt.num_threads);
+    kernels::FlashBackward(pr.params, lease.pool(), dout, lse32, delta.data(), dq32.get(),
+                           dk32.get(), dv32.get(), &local);
+  }
+  dq32.Finish();
+  dk32.Finish();
+  dv32.Finish();
+
+  if (!pr.sinks.empty()) {
+    std::vector<float> ds(static_cast<size_t>(dims.h), 0.0f);
+    kernels::AccumulateDSinks(RowShapeOf(dims), pr.sinks.data(), lse32, delta.data(), ds.data());
+    for (int64_t h = 0; h < dims.h; ++h) StoreFromF32(dsinks, h * dsinks.stride[0], ds[h]);
+  }
+  if (stats != nullptr) *stats = local;
+}
+
+}  // namespace ringsplash

@@ -1,0 +1,245 @@
+// Argument checks of the single-device entry points. Messages follow one
+// pattern: "<argument>: expected <what>, got <given>", e.g.
+//   "k: expected shape [B=2, Skv, Hkv, D=64] with Hkv dividing H=8, got [2, 128, 3, 64] f32".
+#include "src/kernels/validate.h"
+
+#include <algorithm>
+#include <cmath>
+#include <sstream>
+#include <string>
+
+#include "ringsplash/error.h"
+
+namespace ringsplash {
+
+namespace kernels {
+
+namespace {
+
+constexpr int64_t kMaxHeadDim = 256;
+
+bool IsFloatLike(DType d) { return d == DType::kF32 || d == DType::kBF16 || d == DType::kF16; }
+
+// Common to every tensor argument: non-null data, `ndim` dims, positive
+// sizes, non-negative strides.
+void CheckBasic(const TensorView& t, const char* name, int ndim, const std::string& expected) {
+  Check(t.data != nullptr, name, ": expected ", expected, ", got no data (null pointer)");
+  Check(t.ndim == ndim, name, ": expected ", expected, " (", ndim, " dims), got ", t.Describe());
+  for (int i = 0; i < t.ndim; ++i) {
+    Check(t.shape[i] > 0, name, ": expected ", expected, " with positive sizes, got ",
+          t.Describe());
+    Check(t.stride[i] >= 0, name, ": expected non-negative strides, got stride ", t.stride[i],
+          " in dim ", i, " of ", t.Describe());
+  }
+}
+
+void CheckShape(const TensorView& t, const char* name, std::initializer_list<int64_t> want,
+                const std::string& expected) {
+  int i = 0;
+  for (int64_t w : want) {
+    Check(t.shape[i] == w, name, ": expected shape ", expected, ", got ", t.Describe());
+    ++i;
+  }
+}
+
+// A float tensor that must have the input dtype or f32 (outputs, gradients).
+void CheckOutDType(const TensorView& t, const char* name, DType q_dtype) {
+  Check(t.dtype == q_dtype || t.dtype == DType::kF32, name, ": expected dtype ", DTypeName(q_dtype),
+        " (the dtype of q) or f32, got ", t.Describe());
+}
+
+std::string Shape4(const char* a, int64_t av, const char* b, int64_t bv, const char* c, int64_t cv,
+                   const char* d, int64_t dv) {
+  std::ostringstream os;
+  os << '[';
+  auto one = [&os](const char* n, int64_t v, bool last) {
+    if (v >= 0) {
+      os << n << '=' << v;
+    } else {
+      os << n;
+    }
+    if (!last) os << ", ";
+  };
+  one(a, av, false);
+  one(b, bv, false);
+  one(c, cv, false);
+  one(d, dv, true);
+  os << ']';
+  return os.str();
+}
+
+void CheckPositions(const std::vector<int64_t>& pos, int64_t n, const char* name,
+                    const char* len_name) {
+  if (pos.empty()) return;
+  Check(static_cast<int64_t>(pos.size()) == n, name, ": expected ", n, " positions (", len_name,
+        "), got ", pos.size());
+  for (size_t i = 0; i < pos.size(); ++i) {
+    Check(pos[i] >= 0, name, ": expected non-negative global positions, got ", pos[i], " at index ",
+          i);
+  }
+}
+
+int64_t MaxPosition(const std::vector<int64_t>& pos, int64_t n) {
+  if (pos.empty()) return n - 1;
+  return *std::max_element(pos.begin(), pos.end());
+}
+
+void CheckBlockSize(int64_t value, const char* name) {
+  Check(value > 0 && value % 16 == 0, name, ": expected a positive multiple of 16, got ", value);
+}
+
+}  // namespace
+
+AttentionDims ValidateInputsAndOptions(const AttentionInputs& in, const AttentionOptions& opt) {
+  AttentionDims d;
+  const TensorView& q = in.q;
+  CheckBasic(q, "q", 4, "[B, Sq, H, D]");
+  Check(IsFloatLike(q.dtype), "q: expected dtype f32, bf16 or f16, got ", q.Describe());
+  d.b = q.shape[0];
+  d.sq = q.shape[1];
+  d.h = q.shape[2];
+  d.d = q.shape[3];
+  Check(d.d <= kMaxHeadDim, "q: expected head dim D in 1..", kMaxHeadDim, ", got ", q.Describe());
+
+  const TensorView& k = in.k;
+  const std::string k_expect = Shape4("B", d.b, "Skv", -1, "Hkv", -1, "D", d.d) +
+                               " with Hkv dividing H=" + std::to_string(d.h);
+  CheckBasic(k, "k", 4, k_expect);
+  Check(k.shape[0] == d.b && k.shape[3] == d.d && d.h % k.shape[2] == 0, "k: expected shape ",
+        k_expect, ", got ", k.Describe());
+  Check(k.dtype == q.dtype, "k: expected dtype ", DTypeName(q.dtype), " (the dtype of q), got ",
+        k.Describe());
+  d.skv = k.shape[1];
+  d.hkv = k.shape[2];
+
+  const TensorView& v = in.v;
+  const std::string v_expect = Shape4("B", d.b, "Skv", d.skv, "Hkv", d.hkv, "Dv", -1) +
+                               " with Dv in 1.." + std::to_string(kMaxHeadDim);
+  CheckBasic(v, "v", 4, v_expect);
+  Check(
+      v.shape[0] == d.b && v.shape[1] == d.skv && v.shape[2] == d.hkv && v.shape[3] <= kMaxHeadDim,
+      "v: expected shape ", v_expect, ", got ", v.Describe());
+  Check(v.dtype == q.dtype, "v: expected dtype ", DTypeName(q.dtype), " (the dtype of q), got ",
+        v.Describe());
+  d.dv = v.shape[3];
+
+  if (in.sinks.defined() || in.sinks.ndim != 0) {
+    const std::string e = "[H=" + std::to_string(d.h) + "] f32";
+    CheckBasic(in.sinks, "sinks", 1, e);
+    Check(in.sinks.shape[0] == d.h && in.sinks.dtype == DType::kF32, "sinks: expected ", e,
+          ", got ", in.sinks.Describe());
+  }
+
+  const bool has_qs = in.q_segments.defined();
+  const bool has_kvs = in.kv_segments.defined();
+  Check(has_qs == has_kvs, has_qs ? "kv_segments" : "q_segments",
+        ": expected segment ids for both q and k/v or for neither, got only ",
+        has_qs ? "q_segments" : "kv_segments");
+  if (has_qs) {
+    const std::string eq = "[B=" + std::to_string(d.b) + ", Sq=" + std::to_string(d.sq) + "] i32";
+    CheckBasic(in.q_segments, "q_segments", 2, eq);
+    Check(in.q_segments.shape[0] == d.b && in.q_segments.shape[1] == d.sq &&
+              in.q_segments.dtype == DType::kI32,
+          "q_segments: expected ", eq, ", got ", in.q_segments.Describe());
+    const std::string ek = "[B=" + std::to_string(d.b) + ", Skv=" + std::to_string(d.skv) + "] i32";
+    CheckBasic(in.kv_segments, "kv_segments", 2, ek);
+    Check(in.kv_segments.shape[0] == d.b && in.kv_segments.shape[1] == d.skv &&
+              in.kv_segments.dtype == DType::kI32,
+          "kv_segments: expected ", ek, ", got ", in.kv_segments.Describe());
+  }
+
+  CheckPositions(in.q_positions, d.sq, "q_positions", "one per query row, Sq");
+  CheckPositions(in.kv_positions, d.skv, "kv_positions", "one per key/value row, Skv");
+
+  const Mask& mask = opt.mask;
+  Check(mask.num_heads() == 0 || mask.num_heads() == d.h,
+        "mask: expected a head-independent mask or one built for H=", d.h,
+        " query heads, got one built for ", mask.num_heads(), " heads (", mask.ToString(), ")");
+  if (mask.has_dense()) {
+    const int64_t max_q = MaxPosition(in.q_positions, d.sq);
+    const int64_t max_kv = MaxPosition(in.kv_positions, d.skv);
+    Check(max_q < mask.dense_sq() && max_kv < mask.dense_skv(),
+          "mask: expected a dense mask covering every position (q positions up to ", max_q,
+          ", kv positions up to ", max_kv, "), got a dense extent of [", mask.dense_sq(), ", ",
+          mask.dense_skv(), "]");
+  }
+
+  if (opt.softcap) {
+    Check(std::isfinite(*opt.softcap) && *opt.softcap > 0,
+          "softcap: expected a finite value > 0, got ", *opt.softcap);
+  }
+  if (opt.scale) {
+    Check(std::isfinite(*opt.scale), "scale: expected a finite value, got ", *opt.scale);
+  }
+  CheckBlockSize(opt.block_sizes.q, "block_sizes.q");
+  CheckBlockSize(opt.block_sizes.kv, "block_sizes.kv");
+  Check(opt.num_threads >= 0, "num_threads: expected >= 0 (0: all hardware threads), got ",
+        opt.num_threads);
+
+  const KernelPath path = ResolveKernelPath(opt.kernel_path);
+  const std::vector<KernelPath> supported = SupportedKernelPaths();
+  if (std::find(supported.begin(), supported.end(), path) == supported.end()) {
+    std::ostringstream os;
+    for (size_t i = 0; i < supported.size(); ++i)
+      os << (i ? ", " : "") << KernelPathName(supported[i]);
+    Fail("kernel_path: expected one this CPU supports (", os.str(), "), got ",
+         KernelPathName(path));
+  }
+  return d;
+}
+
+void ValidateForwardOutputs(const AttentionDims& d, DType q_dtype, const TensorView& out,
+                            const TensorView& lse) {
+  const std::string eo = Shape4("B", d.b, "Sq", d.sq, "H", d.h, "Dv", d.dv);
+  CheckBasic(out, "out", 4, eo);
+  CheckShape(out, "out", {d.b, d.sq, d.h, d.dv}, eo);
+  CheckOutDType(out, "out", q_dtype);
+  const std::string el = "[B=" + std::to_string(d.b) + ", H=" + std::to_string(d.h) +
+                         ", Sq=" + std::to_string(d.sq) + "] f32";
+  CheckBasic(lse, "lse", 3, el);
+  CheckShape(lse, "lse", {d.b, d.h, d.sq}, el);
+  Check(lse.dtype == DType::kF32, "lse: expected ", el, ", got ", lse.Describe());
+}
+
+void ValidateBackwardArgs(const AttentionDims& d, const AttentionInputs& in, const TensorView& out,
+                          const TensorView& lse, const TensorView& dout, const TensorView& dq,
+                          const TensorView& dk, const TensorView& dv, const TensorView& dsinks) {
+  const DType qd = in.q.dtype;
+  ValidateForwardOutputs(d, qd, out, lse);
+  const std::string eo = Shape4("B", d.b, "Sq", d.sq, "H", d.h, "Dv", d.dv) + " (shape of out)";
+  CheckBasic(dout, "dout", 4, eo);
+  CheckShape(dout, "dout", {d.b, d.sq, d.h, d.dv}, eo);
+  CheckOutDType(dout, "dout", qd);
+
+  const std::string eq = Shape4("B", d.b, "Sq", d.sq, "H", d.h, "D", d.d) + " (shape of q)";
+  CheckBasic(dq, "dq", 4, eq);
+  CheckShape(dq, "dq", {d.b, d.sq, d.h, d.d}, eq);
+  CheckOutDType(dq, "dq", qd);
+  const std::string ek = Shape4("B", d.b, "Skv", d.skv, "Hkv", d.hkv, "D", d.d) + " (shape of k)";
+  CheckBasic(dk, "dk", 4, ek);
+  CheckShape(dk, "dk", {d.b, d.skv, d.hkv, d.d}, ek);
+  CheckOutDType(dk, "dk", qd);
+  const std::string ev = Shape4("B", d.b, "Skv", d.skv, "Hkv", d.hkv, "Dv", d.dv) + " (shape of v)";
+  CheckBasic(dv, "dv", 4, ev);
+  CheckShape(dv, "dv", {d.b, d.skv, d.hkv, d.dv}, ev);
+  CheckOutDType(dv, "dv", qd);
+
+  const bool has_sinks = in.sinks.defined();
+  if (has_sinks) {
+    const std::string e = "[H=" + std::to_string(d.h) + "] f32 (sinks were given)";
+    CheckBasic(dsinks, "dsinks", 1, e);
+    Check(dsinks.shape[0] == d.h && dsinks.dtype == DType::kF32, "dsinks: expected ", e, ", got ",
+          dsinks.Describe());
+  } else {
+    Check(!dsinks.defined(), "dsinks: expected none (no sinks were given), got ",
+          dsinks.Describe());
+  }
+}
+
+}  // namespace kernels
+
+void ValidateAttentionInputs(const AttentionInputs& in, const AttentionOptions& opt) {
+  kernels::ValidateInputsAndOptions(in, opt);
+}
+
+}  // namespace ringsplash
