@@ -1,0 +1,88 @@
+// Helpers shared by the numeric tests: random tensors, conversions between
+// the library's tensor views and the f64 reference's vectors, relative-error
+// comparison and bf16/f16 rounding.
+#ifndef RINGSPLASH_TESTS_SUPPORT_TEST_UTIL_H_
+#define RINGSPLASH_TESTS_SUPPORT_TEST_UTIL_H_
+
+#include <cstdint>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "ringsplash/attention.h"
+#include "ringsplash/tensor.h"
+#include "tests/support/reference.h"
+
+namespace ringsplash::testing {
+
+using Rng = std::mt19937_64;
+
+// Uniform in [lo, hi], then rounded to `dtype` (so the tensor holds exactly
+// the values it reports).
+Tensor RandomTensor(Rng& rng, DType dtype, std::vector<int64_t> shape, double lo = -1.0,
+                    double hi = 1.0);
+// Fills an existing view (any strides) the same way.
+void FillRandom(Rng& rng, const TensorView& t, double lo = -1.0, double hi = 1.0);
+
+// Packed-document segment ids [B, S] i32: non-decreasing runs of random
+// lengths with ids starting at `first_id` (so q and kv can use different id
+// sets to create rows without any key).
+Tensor RandomSegments(Rng& rng, int64_t b, int64_t s, int64_t max_docs, int32_t first_id = 0);
+
+// The elements of a float/i32 view as doubles in C order of its logical shape
+// (whatever its strides).
+std::vector<double> ToDoubles(const TensorView& t);
+// Writes `values` (C order of the view's logical shape) into `t`, rounding to
+// its dtype.
+void FromDoubles(const std::vector<double>& values, const TensorView& t);
+// A new C-order tensor holding `values` rounded to `dtype`.
+Tensor TensorFromDoubles(const std::vector<double>& values, DType dtype,
+                         std::vector<int64_t> shape);
+
+// The f64 reference problem equal to an API call: q/k/v/sinks as stored in
+// the views (so bf16 inputs are already rounded), segments, positions, mask,
+// scale and soft cap.
+RefProblem MakeRefProblem(const AttentionInputs& in, const AttentionOptions& opt);
+
+// Owning storage for an AttentionInputs.
+struct OwnedInputs {
+  Tensor q, k, v, sinks, q_seg, kv_seg;
+  // Set when q/k/v are stored [B, H, S, D] and viewed as [B, S, H, D].
+  bool bhsd = false;
+  std::vector<int64_t> q_pos, kv_pos;
+  AttentionInputs inputs() const;
+};
+
+// Sizes and contents of a random problem.
+struct ProblemSpec {
+  int64_t b = 1, sq = 16, skv = 16, h = 2, hkv = 2, d = 16, dv = 16;
+  DType dtype = DType::kF32;
+  bool sinks = false;
+  bool segments = false;
+  bool bhsd = false;      // store q/k/v as [B, H, S, D] (strided views)
+  double qk_range = 1.0;  // q, k uniform in [-qk_range, qk_range]
+};
+OwnedInputs RandomInputs(Rng& rng, const ProblemSpec& spec);
+
+// Error of `actual` against `expected`, both in C order of one shape.
+struct Comparison {
+  double max_abs_err = 0;           // max |a - e| over finite expected entries
+  double expected_max = 0;          // max |e| over finite expected entries
+  int64_t worst = -1;               // index of the max error (-1 if none)
+  bool nonfinite_mismatch = false;  // NaN anywhere, or an inf where the other is not the same inf
+  // max_abs_err / max(expected_max, floor): error relative to the largest
+  // magnitude (the scale float rounding errors are proportional to).
+  double Relative(double floor = 1e-30) const;
+  std::string Describe() const;
+};
+Comparison Compare(const std::vector<double>& actual, const std::vector<double>& expected);
+
+double MaxAbs(const std::vector<double>& v);
+
+// Rounds through the given storage dtype (f32, bf16 or f16).
+double RoundTo(DType dtype, double x);
+double RoundToBF16(double x);
+
+}  // namespace ringsplash::testing
+
+#endif  // RINGSPLASH_TESTS_SUPPORT_TEST_UTIL_H_

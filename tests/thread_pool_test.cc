@@ -1,0 +1,140 @@
+// Tests of kernels::ThreadPool: every task runs exactly once on a valid
+// worker, exceptions propagate after the job ends, the pool survives many
+// calls, concurrent callers and nested calls, and shuts down cleanly.
+#include "src/kernels/thread_pool.h"
+
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <stdexcept>
+#include <thread>
+#include <vector>
+
+namespace ringsplash::kernels {
+namespace {
+
+TEST(ThreadPoolTest, SizeDefaultsToHardware) {
+  ThreadPool one(1);
+  EXPECT_EQ(one.size(), 1);
+  ThreadPool three(3);
+  EXPECT_EQ(three.size(), 3);
+  ThreadPool hw(0);
+  EXPECT_GE(hw.size(), 1);
+  ThreadPool neg(-5);
+  EXPECT_EQ(neg.size(), hw.size());
+}
+
+TEST(ThreadPoolTest, EveryTaskRunsExactlyOnceOnAValidWorker) {
+  for (int threads : {1, 2, 3, 8}) {
+    ThreadPool pool(threads);
+    for (int64_t n : {0, 1, 2, 7, 1000}) {
+      std::vector<std::atomic<int>> runs(static_cast<size_t>(n));
+      std::atomic<bool> bad_worker{false};
+      pool.ParallelFor(n, [&](int64_t task, int worker) {
+        runs[task].fetch_add(1, std::memory_order_relaxed);
+        if (worker < 0 || worker >= threads) bad_worker = true;
+      });
+      for (int64_t t = 0; t < n; ++t) ASSERT_EQ(runs[t].load(), 1) << threads << " " << n;
+      EXPECT_FALSE(bad_worker.load());
+    }
+  }
+}
+
+// Per-worker scratch is the kernels' pattern: no two tasks may run on the same
+// worker index at the same time.
+TEST(ThreadPoolTest, WorkerIndexIsExclusive) {
+  ThreadPool pool(4);
+  std::vector<std::atomic<int>> busy(4);
+  std::atomic<bool> overlap{false};
+  pool.ParallelFor(400, [&](int64_t, int worker) {
+    if (busy[worker].fetch_add(1) != 0) overlap = true;
+    volatile int spin = 0;
+    for (int i = 0; i < 1000; ++i) spin = spin + i;
+    busy[worker].fetch_sub(1);
+  });
+  EXPECT_FALSE(overlap.load());
+}
+
+// Results written by tasks are visible to the caller after ParallelFor
+// returns (plain, non-atomic writes; TSan checks the ordering).
+TEST(ThreadPoolTest, WritesAreVisibleAfterReturn) {
+  ThreadPool pool(3);
+  for (int rep = 0; rep < 2000; ++rep) {
+    std::vector<int64_t> out(37, -1);
+    pool.ParallelFor(37, [&](int64_t task, int) { out[task] = task * rep; });
+    for (int64_t t = 0; t < 37; ++t) ASSERT_EQ(out[t], t * rep);
+  }
+}
+
+TEST(ThreadPoolTest, FirstExceptionIsRethrownAfterTheJob) {
+  for (int threads : {1, 3}) {
+    ThreadPool pool(threads);
+    std::vector<std::atomic<int>> runs(200);
+    EXPECT_THROW(pool.ParallelFor(200,
+                                  [&](int64_t task, int) {
+                                    runs[task].fetch_add(1);
+                                    if (task == 5) throw std::runtime_error("task 5");
+                                  }),
+                 std::runtime_error);
+    for (auto& r : runs) EXPECT_LE(r.load(), 1);  // abandoned, never repeated
+    EXPECT_EQ(runs[5].load(), 1);
+    // The pool is still usable.
+    std::atomic<int64_t> sum{0};
+    pool.ParallelFor(100, [&](int64_t task, int) { sum += task; });
+    EXPECT_EQ(sum.load(), 4950);
+  }
+}
+
+TEST(ThreadPoolTest, EveryTaskThrowingStillReturns) {
+  ThreadPool pool(4);
+  try {
+    pool.ParallelFor(50, [](int64_t task, int) { throw static_cast<int>(task); });
+    FAIL() << "no exception";
+  } catch (int) {
+  }
+}
+
+TEST(ThreadPoolTest, ConcurrentCallersAreSerialisedCorrectly) {
+  ThreadPool pool(3);
+  std::vector<std::thread> callers;
+  std::atomic<int> failures{0};
+  for (int c = 0; c < 4; ++c) {
+    callers.emplace_back([&, c] {
+      for (int rep = 0; rep < 200; ++rep) {
+        std::vector<int> out(23, 0);
+        pool.ParallelFor(23, [&](int64_t task, int) { out[task] = c + static_cast<int>(task); });
+        for (int t = 0; t < 23; ++t) {
+          if (out[t] != c + t) failures++;
+        }
+      }
+    });
+  }
+  for (auto& t : callers) t.join();
+  EXPECT_EQ(failures.load(), 0);
+}
+
+TEST(ThreadPoolTest, NestedCallRunsInlineWithoutDeadlock) {
+  ThreadPool pool(3);
+  std::vector<std::atomic<int>> runs(8 * 5);
+  pool.ParallelFor(8, [&](int64_t outer, int worker) {
+    pool.ParallelFor(5, [&](int64_t inner, int inner_worker) {
+      EXPECT_EQ(inner_worker, worker);
+      runs[outer * 5 + inner].fetch_add(1);
+    });
+  });
+  for (auto& r : runs) EXPECT_EQ(r.load(), 1);
+}
+
+TEST(ThreadPoolTest, ManyPoolsCreatedAndDestroyed) {
+  for (int i = 0; i < 50; ++i) {
+    ThreadPool pool(1 + i % 4);
+    if (i % 2 == 0) {
+      std::atomic<int> n{0};
+      pool.ParallelFor(10, [&](int64_t, int) { n++; });
+      EXPECT_EQ(n.load(), 10);
+    }
+  }
+}
+
+}  // namespace
+}  // namespace ringsplash::kernels
