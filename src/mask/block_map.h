@@ -42,8 +42,8 @@ struct BlockRanges {
 // Classifies one tile of `mask` for query head `head` given the position
 // ranges of its q rows and kv columns. Exact for empty and full (never claims
 // empty or full wrongly); may say partial when unsure.
-BlockKind ClassifyTile(const Mask& mask, int64_t head, int64_t q_lo, int64_t q_hi,
-                       int64_t kv_lo, int64_t kv_hi);
+BlockKind ClassifyTile(const Mask& mask, int64_t head, int64_t q_lo, int64_t q_hi, int64_t kv_lo,
+                       int64_t kv_hi);
 // Segment refinement: tiles whose q and kv segment-id ranges do not meet are
 // empty; tiles where all q and kv ids are one and the same value are full.
 BlockKind ClassifySegments(int64_t q_lo, int64_t q_hi, int64_t kv_lo, int64_t kv_hi);
@@ -90,18 +90,42 @@ class BlockMap {
   size_t memory_bytes() const;
 
  private:
-  // Implementation detail members; defined in block_map.cc.
-  const Mask* mask_ = nullptr;
-  Mask mask_copy_;
-  std::vector<int64_t> q_pos_, kv_pos_;
+  // Positions of one block of rows, kept compactly so that the map stays
+  // O(blocks): affine blocks (contiguous, striped) as first + step * i,
+  // others as a slice of explicit_pos_ starting at explicit_at.
+  struct PositionBlock {
+    int64_t first = 0;
+    int64_t step = 0;
+    int64_t explicit_at = -1;  // -1: affine
+  };
+  // A de-duplicated partial tile of a Dense mask: rows x cols bytes at offset.
+  struct UniqueTile {
+    int64_t offset = 0;
+    int32_t rows = 0;
+    int32_t cols = 0;
+  };
+  class Builder;
+
+  int64_t PlaneOf(int64_t head) const { return planes_ == 1 ? 0 : head % planes_; }
+  // Positions of q block qb / kv block kvb; `buf` holds at least the block size.
+  std::span<const int64_t> QPositions(int64_t qb, int64_t* buf) const;
+  std::span<const int64_t> KvPositions(int64_t kvb, int64_t* buf) const;
+
+  Mask mask_;
+  int64_t sq_ = 0, skv_ = 0;
+  std::vector<PositionBlock> q_blocks_, kv_blocks_;
+  std::vector<int64_t> explicit_pos_;
   int64_t bq_ = 0, bkv_ = 0, nqb_ = 0, nkvb_ = 0, planes_ = 1;
   bool by_column_ = false;
   std::vector<BlockRun> runs_;
   std::vector<int64_t> row_offsets_;  // [planes * rows + 1] into runs_
   int64_t counts_[3] = {0, 0, 0};
-  // Dense de-duplication: tile id per partial tile and unique tile bitmaps.
-  std::vector<int32_t> dense_tile_ids_;  // indexed like the tiles, -1 if not partial
-  std::vector<std::vector<uint8_t>> dense_tiles_;
+  // Dense de-duplication (planes whose mask has only Dense / Full leaves):
+  // unique id per tile [planes, nqb, nkvb], -1 where not stored; empty when
+  // no plane de-duplicates.
+  std::vector<int32_t> dense_tile_ids_;
+  std::vector<UniqueTile> dense_tiles_;
+  std::vector<uint8_t> dense_bytes_;
 };
 
 }  // namespace ringsplash::mask
