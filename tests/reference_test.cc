@@ -10,6 +10,7 @@
 
 #include <cmath>
 #include <limits>
+#include <ostream>
 #include <random>
 #include <string>
 #include <vector>
@@ -85,6 +86,9 @@ struct FdCase {
   double qk = 1.0;
   std::vector<int64_t> q_pos, kv_pos;
 };
+
+// Readable names in failure messages instead of a byte dump.
+void PrintTo(const FdCase& c, std::ostream* os) { *os << c.name; }
 
 class FiniteDifferenceTest : public ::testing::TestWithParam<FdCase> {};
 
