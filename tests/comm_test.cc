@@ -1,0 +1,272 @@
+// The threads communicator backend: ring shifts with several transfers in
+// flight, all-reduce, barrier, and failure handling (a peer that throws, a
+// peer that never posts) — every failure must end in an Error naming the
+// failed rank, never a hang.
+#include "ringsplash/comm.h"
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <numeric>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "ringsplash/error.h"
+
+namespace ringsplash {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double SecondsSince(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+// A recognisable payload: value depends on (origin rank, shift, index).
+int32_t Payload(int origin, int shift, int i) { return origin * 1000003 + shift * 1009 + i; }
+
+class ShiftTest : public ::testing::TestWithParam<int> {};
+
+// Each rank starts `kInFlight` shifts before waiting for any of them, then
+// forwards what it received; after t hops rank r holds rank (r - t)'s data.
+TEST_P(ShiftTest, SeveralShiftsInFlightDeliverInOrder) {
+  const int n = GetParam();
+  constexpr int kInFlight = 3;
+  constexpr int kRounds = 4;  // kInFlight shifts per round, each its own data
+  constexpr int kLen = 257;   // odd length: no alignment luck
+  CommOptions opt;
+  opt.timeout_s = 30;
+  RunThreadRanks(n, opt, [&](Communicator& comm) {
+    ASSERT_EQ(comm.size(), n);
+    ASSERT_STREQ(comm.backend(), "threads");
+    const int r = comm.rank();
+    // Slot j carries the data of "stream" j; each round every stream hops once.
+    std::vector<std::vector<int32_t>> cur(kInFlight, std::vector<int32_t>(kLen));
+    std::vector<std::vector<int32_t>> nxt(kInFlight, std::vector<int32_t>(kLen, -1));
+    for (int j = 0; j < kInFlight; ++j)
+      for (int i = 0; i < kLen; ++i) cur[j][i] = Payload(r, j, i);
+    for (int round = 1; round <= kRounds; ++round) {
+      std::vector<Communicator::Handle> handles;
+      for (int j = 0; j < kInFlight; ++j) {
+        handles.push_back(comm.StartShift(cur[j].data(), nxt[j].data(), kLen * sizeof(int32_t)));
+      }
+      for (Communicator::Handle h : handles) comm.Wait(h);
+      std::swap(cur, nxt);
+      const int origin = ((r - round) % n + n) % n;
+      for (int j = 0; j < kInFlight; ++j)
+        for (int i = 0; i < kLen; ++i) ASSERT_EQ(cur[j][i], Payload(origin, j, i));
+    }
+  });
+}
+
+TEST_P(ShiftTest, AllReduceSumIsIdenticalOnEveryRankAndBarrierPasses) {
+  const int n = GetParam();
+  std::vector<std::vector<float>> results(n);
+  RunThreadRanks(n, CommOptions{}, [&](Communicator& comm) {
+    const int r = comm.rank();
+    // Values whose float sum depends on the order of addition.
+    std::vector<float> data = {1.0f + r, 1e8f * (r % 2 ? 1 : -1), 0.1f * (r + 1), 0.0f};
+    comm.Barrier();
+    comm.AllReduceSum(data.data(), data.size());
+    comm.Barrier();
+    results[r] = data;
+  });
+  double expect0 = 0, expect2 = 0;
+  for (int r = 0; r < n; ++r) {
+    expect0 += 1.0 + r;
+    expect2 += 0.1 * (r + 1);
+  }
+  for (int r = 0; r < n; ++r) {
+    // Bitwise identical across ranks (summed in rank order everywhere).
+    EXPECT_EQ(results[r], results[0]) << "rank " << r;
+    EXPECT_FLOAT_EQ(results[r][0], static_cast<float>(expect0));
+    EXPECT_NEAR(results[r][2], expect2, 1e-5 * n);
+    EXPECT_EQ(results[r][3], 0.0f);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(RingSizes, ShiftTest, ::testing::Values(1, 2, 3, 4, 8));
+
+TEST(CommTest, ZeroByteShiftCompletes) {
+  RunThreadRanks(3, CommOptions{},
+                 [](Communicator& comm) { comm.Wait(comm.StartShift(nullptr, nullptr, 0)); });
+}
+
+TEST(CommTest, RejectsBadArguments) {
+  EXPECT_THROW(RunThreadRanks(0, CommOptions{}, [](Communicator&) {}), Error);
+  CommOptions bad;
+  bad.timeout_s = 0;
+  EXPECT_THROW(RunThreadRanks(2, bad, [](Communicator&) {}), Error);
+}
+
+TEST(CommTest, MismatchedShiftSizesFailBothRanks) {
+  try {
+    RunThreadRanks(2, CommOptions{}, [](Communicator& comm) {
+      std::vector<char> send(64), recv(64);
+      const size_t bytes = comm.rank() == 0 ? 64 : 32;
+      comm.Wait(comm.StartShift(send.data(), recv.data(), bytes));
+    });
+    FAIL() << "expected an Error";
+  } catch (const Error& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find("bytes but rank"), std::string::npos) << msg;
+  }
+}
+
+// A rank that throws while its peers are blocked in Wait: every peer wakes
+// up, RunThreadRanks rethrows naming the failed rank and its reason, long
+// before the (large) timeout.
+TEST(CommTest, ThrowingRankAbortsPeersQuickly) {
+  for (int n : {2, 3, 8}) {
+    CommOptions opt;
+    opt.timeout_s = 60;
+    std::atomic<int> peers_failed{0};
+    const Clock::time_point start = Clock::now();
+    try {
+      RunThreadRanks(n, opt, [&](Communicator& comm) {
+        std::vector<char> send(1024), recv(1024);
+        comm.Wait(comm.StartShift(send.data(), recv.data(), send.size()));
+        if (comm.rank() == n - 1) {
+          std::this_thread::sleep_for(std::chrono::milliseconds(20));
+          throw Error("deliberate failure");
+        }
+        try {
+          // Blocks: rank n-1 never posts this shift / joins this barrier.
+          if (comm.rank() % 2) {
+            comm.Barrier();
+          } else {
+            comm.Wait(comm.StartShift(send.data(), recv.data(), send.size()));
+          }
+        } catch (const Error& e) {
+          EXPECT_NE(std::string(e.what()).find("rank " + std::to_string(n - 1) + " failed"),
+                    std::string::npos)
+              << e.what();
+          ++peers_failed;
+          throw;
+        }
+      });
+      FAIL() << "expected an Error";
+    } catch (const Error& e) {
+      EXPECT_EQ(std::string(e.what()),
+                "rank " + std::to_string(n - 1) + " failed: deliberate failure");
+    }
+    const double seconds = SecondsSince(start);
+    EXPECT_EQ(peers_failed.load(), n - 1);
+    // Detection does not rely on the timeout (60 s); the printed latency is
+    // the measured fault-detection time.
+    EXPECT_LT(seconds, opt.timeout_s / 2);
+    std::printf("[ abort ] %d ranks: failure seen by all peers after %.1f ms\n", n,
+                seconds * 1e3 - 20);
+  }
+}
+
+// A peer that neither posts nor fails: the waiting rank times out with a
+// message naming itself, the peer and the shift.
+TEST(CommTest, SilentPeerTimesOut) {
+  CommOptions opt;
+  opt.timeout_s = 0.2;
+  const Clock::time_point start = Clock::now();
+  try {
+    RunThreadRanks(2, opt, [&](Communicator& comm) {
+      std::vector<char> send(16), recv(16);
+      if (comm.rank() == 0) {
+        comm.Wait(comm.StartShift(send.data(), recv.data(), 16));
+        comm.Wait(comm.StartShift(send.data(), recv.data(), 16));
+      } else {
+        comm.Wait(comm.StartShift(send.data(), recv.data(), 16));
+        std::this_thread::sleep_for(std::chrono::milliseconds(600));  // "hung"
+      }
+    });
+    FAIL() << "expected an Error";
+  } catch (const Error& e) {
+    EXPECT_EQ(std::string(e.what()),
+              "rank 0 failed: timed out after 0.2 s waiting for rank 1 in shift #1");
+  }
+  EXPECT_GE(SecondsSince(start), 0.2);
+}
+
+TEST(CommTest, SilentPeerTimesOutInAllReduce) {
+  CommOptions opt;
+  opt.timeout_s = 0.2;
+  try {
+    RunThreadRanks(3, opt, [&](Communicator& comm) {
+      if (comm.rank() == 2) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(600));
+        return;
+      }
+      float x = 1;
+      comm.AllReduceSum(&x, 1);
+    });
+    FAIL() << "expected an Error";
+  } catch (const Error& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find("timed out after 0.2 s waiting for rank(s) 2 in all-reduce #0"),
+              std::string::npos)
+        << msg;
+  }
+}
+
+// A peer that returned without posting: detected at once, not after the timeout.
+TEST(CommTest, PeerThatReturnedIsDetectedWithoutTimeout) {
+  CommOptions opt;
+  opt.timeout_s = 60;
+  const Clock::time_point start = Clock::now();
+  try {
+    RunThreadRanks(2, opt, [&](Communicator& comm) {
+      if (comm.rank() == 1) return;
+      std::vector<char> buf(8);
+      comm.Wait(comm.StartShift(buf.data(), buf.data(), 0));
+    });
+    FAIL() << "expected an Error";
+  } catch (const Error& e) {
+    EXPECT_EQ(std::string(e.what()), "rank 0 failed: rank 1 returned without posting shift #0");
+  }
+  EXPECT_LT(SecondsSince(start), 30.0);
+}
+
+TEST(CommTest, AbortBeforeThrowNamesTheAbortingRank) {
+  try {
+    RunThreadRanks(4, CommOptions{}, [](Communicator& comm) {
+      if (comm.rank() == 2) {
+        comm.Abort("injected");
+        throw Error("something after the abort");
+      }
+      comm.Barrier();
+    });
+    FAIL() << "expected an Error";
+  } catch (const Error& e) {
+    EXPECT_EQ(std::string(e.what()), "rank 2 failed: injected");
+  }
+}
+
+TEST(CommTest, WaitingTwiceOnAHandleIsAnError) {
+  try {
+    RunThreadRanks(1, CommOptions{}, [](Communicator& comm) {
+      int a = 1, b = 0;
+      const Communicator::Handle h = comm.StartShift(&a, &b, sizeof(int));
+      comm.Wait(h);
+      EXPECT_EQ(b, 1);  // N = 1: the ring shift is a copy to self
+      comm.Wait(h);
+    });
+    FAIL() << "expected an Error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("already waited for shift #0"), std::string::npos)
+        << e.what();
+  }
+}
+
+TEST(CommTest, MpiStubOrBackendReportsAvailability) {
+  if (MpiAvailable()) GTEST_SKIP() << "MPI backend built in; covered by tests/mpi";
+  try {
+    MakeMpiCommunicator(CommOptions{});
+    FAIL() << "expected an Error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("no MPI backend"), std::string::npos);
+  }
+}
+
+}  // namespace
+}  // namespace ringsplash
