@@ -13,6 +13,7 @@
 #include <ostream>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "ringsplash/mask.h"
@@ -124,25 +125,48 @@ TEST_P(FiniteDifferenceTest, BackwardMatchesCentralDifferences) {
 
 std::vector<FdCase> FdCases() {
   std::vector<FdCase> cases;
-  cases.push_back({.name = "full", .mask = Mask::Full()});
-  cases.push_back({.name = "causal", .mask = Mask::Causal()});
-  cases.push_back({.name = "causal_offset_gqa", .mask = Mask::Causal(1), .h = 4, .hkv = 2});
-  cases.push_back({.name = "mqa_sinks", .mask = Mask::Full(), .h = 3, .hkv = 1, .sinks = true});
-  cases.push_back({.name = "softcap", .mask = Mask::Full(), .softcap = 2.0, .qk = 2.0});
-  cases.push_back({.name = "local_or_chunked_softcap_sinks",
-                   .mask = Mask::Local(1, 0) | Mask::ChunkedCausal(3),
-                   .h = 4,
-                   .hkv = 1,
-                   .sinks = true,
-                   .softcap = 1.5,
-                   .qk = 2.0});
-  cases.push_back(
-      {.name = "segments_sinks", .mask = Mask::Causal(), .sinks = true, .segments = true});
-  cases.push_back({.name = "segments_no_sinks", .mask = Mask::Full(), .segments = true});
-  cases.push_back({.name = "per_head_positions",
-                   .mask = Mask::PerHead({Mask::Causal(), Mask::Local(2, 1)}),
-                   .q_pos = {10, 11, 12, 13, 14},
-                   .kv_pos = {8, 9, 10, 11, 12, 13}});
+  auto add = [&cases](const char* name, Mask mask) -> FdCase& {
+    FdCase& c = cases.emplace_back();
+    c.name = name;
+    c.mask = std::move(mask);
+    return c;
+  };
+  add("full", Mask::Full());
+  add("causal", Mask::Causal());
+  {
+    FdCase& c = add("causal_offset_gqa", Mask::Causal(1));
+    c.h = 4;
+  }
+  {
+    FdCase& c = add("mqa_sinks", Mask::Full());
+    c.h = 3;
+    c.hkv = 1;
+    c.sinks = true;
+  }
+  {
+    FdCase& c = add("softcap", Mask::Full());
+    c.softcap = 2.0;
+    c.qk = 2.0;
+  }
+  {
+    FdCase& c = add("local_or_chunked_softcap_sinks", Mask::Local(1, 0) | Mask::ChunkedCausal(3));
+    c.h = 4;
+    c.hkv = 1;
+    c.sinks = true;
+    c.softcap = 1.5;
+    c.qk = 2.0;
+  }
+  {
+    FdCase& c = add("segments_sinks", Mask::Causal());
+    c.sinks = true;
+    c.segments = true;
+  }
+  add("segments_no_sinks", Mask::Full()).segments = true;
+  {
+    FdCase& c = add("per_head_positions", Mask::PerHead({Mask::Causal(), Mask::Local(2, 1)}));
+    c.q_pos = {10, 11, 12, 13, 14};
+    c.kv_pos = {8, 9, 10, 11, 12, 13};
+  }
   return cases;
 }
 
