@@ -1,0 +1,131 @@
+// CPU detection and the KernelPath functions of ringsplash/attention.h.
+#include "src/kernels/cpu_features.h"
+
+#include <cpuid.h>
+
+#include <cstdint>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "ringsplash/attention.h"
+#include "ringsplash/error.h"
+
+namespace ringsplash {
+namespace kernels {
+namespace {
+
+// XCR0: which register states the OS saves on context switch. AVX-512 needs
+// SSE (bit 1), AVX (bit 2), opmask (5), ZMM_Hi256 (6) and Hi16_ZMM (7).
+uint64_t ReadXcr0() {
+  uint32_t lo = 0, hi = 0;
+  __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+  return (static_cast<uint64_t>(hi) << 32) | lo;
+}
+
+CpuFeatures Detect() {
+  CpuFeatures f;
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  if (!__get_cpuid(1, &eax, &ebx, &ecx, &edx)) return f;
+  const bool fma = (ecx >> 12) & 1;
+  const bool osxsave = (ecx >> 27) & 1;
+  const bool f16c = (ecx >> 29) & 1;
+  if (!osxsave) return f;
+  const uint64_t xcr0 = ReadXcr0();
+  const uint64_t kZmmState = (1u << 1) | (1u << 2) | (1u << 5) | (1u << 6) | (1u << 7);
+  if ((xcr0 & kZmmState) != kZmmState) return f;
+  if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return f;
+  const bool avx512f = (ebx >> 16) & 1;
+  const bool avx512dq = (ebx >> 17) & 1;
+  const bool avx512bw = (ebx >> 30) & 1;
+  const bool avx512vl = (ebx >> 31) & 1;
+  f.avx512 = fma && f16c && avx512f && avx512dq && avx512bw && avx512vl;
+  unsigned max_sub = eax;
+  if (f.avx512 && max_sub >= 1 && __get_cpuid_count(7, 1, &eax, &ebx, &ecx, &edx)) {
+    f.avx512_bf16 = (eax >> 5) & 1;
+  }
+  return f;
+}
+
+bool Supported(KernelPath path) {
+  const CpuFeatures& f = DetectCpuFeatures();
+  switch (path) {
+    case KernelPath::kPortable:
+      return true;
+    case KernelPath::kAvx512:
+      return f.avx512;
+    case KernelPath::kAvx512Bf16:
+      return f.avx512_bf16;
+    case KernelPath::kAuto:
+      return true;
+  }
+  return false;
+}
+
+}  // namespace
+
+const CpuFeatures& DetectCpuFeatures() {
+  static const CpuFeatures features = Detect();
+  return features;
+}
+
+}  // namespace kernels
+
+const char* KernelPathName(KernelPath path) {
+  switch (path) {
+    case KernelPath::kAuto:
+      return "auto";
+    case KernelPath::kPortable:
+      return "portable";
+    case KernelPath::kAvx512:
+      return "avx512";
+    case KernelPath::kAvx512Bf16:
+      return "avx512_bf16";
+  }
+  return "unknown";
+}
+
+KernelPath ParseKernelPath(const std::string& text) {
+  for (KernelPath p :
+       {KernelPath::kAuto, KernelPath::kPortable, KernelPath::kAvx512, KernelPath::kAvx512Bf16}) {
+    if (text == KernelPathName(p)) return p;
+  }
+  Fail("kernel path: expected one of auto|portable|avx512|avx512_bf16, got '", text, "'");
+}
+
+std::vector<KernelPath> SupportedKernelPaths() {
+  std::vector<KernelPath> paths;
+  for (KernelPath p : {KernelPath::kPortable, KernelPath::kAvx512, KernelPath::kAvx512Bf16}) {
+    if (kernels::Supported(p)) paths.push_back(p);
+  }
+  return paths;
+}
+
+KernelPath ResolveKernelPath(KernelPath requested) {
+  if (requested == KernelPath::kAuto) {
+    // The environment is read on every call (cheap) so tests and long-lived
+    // processes see changes; only the CPU detection is cached.
+    const char* env = std::getenv("RINGSPLASH_KERNEL");
+    if (env != nullptr && *env != '\0') {
+      KernelPath forced;
+      try {
+        forced = ParseKernelPath(env);
+      } catch (const Error&) {
+        Fail("RINGSPLASH_KERNEL: expected portable|avx512|avx512_bf16, got '", env, "'");
+      }
+      if (forced != KernelPath::kAuto) {
+        Check(kernels::Supported(forced), "RINGSPLASH_KERNEL: kernel path '", env,
+              "' is not supported by this CPU");
+        return forced;
+      }
+    }
+    return SupportedKernelPaths().back();  // ordered slowest to fastest
+  }
+  Check(kernels::Supported(requested), "kernel_path: '", KernelPathName(requested),
+        "' is not supported by this CPU (supported: portable",
+        kernels::Supported(KernelPath::kAvx512) ? ", avx512" : "",
+        kernels::Supported(KernelPath::kAvx512Bf16) ? ", avx512_bf16" : "", ")");
+  return requested;
+}
+
+}  // namespace ringsplash

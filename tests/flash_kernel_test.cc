@@ -1,0 +1,709 @@
+// Focused tests of the flash kernels (FlashForward / FlashBackward called
+// directly), their micro-kernels and the KernelPath functions. Every numeric
+// check compares against the f64 reference (tests/support/reference.h) or
+// against another run of the same kernel where the claim is invariance.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "ringsplash/attention.h"
+#include "ringsplash/error.h"
+#include "src/kernels/cpu_features.h"
+#include "src/kernels/flash.h"
+#include "src/kernels/micro.h"
+#include "src/kernels/thread_pool.h"
+#include "tests/support/reference.h"
+#include "tests/support/test_util.h"
+
+namespace ringsplash {
+namespace {
+
+using kernels::FlashParams;
+using kernels::ThreadPool;
+using testing::Compare;
+using testing::OwnedInputs;
+using testing::ProblemSpec;
+using testing::Rng;
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+// f32 tolerance, relative to the largest expected magnitude of a tensor. The
+// kernels accumulate in f32 over at most a few hundred terms (D <= 256, Skv
+// <= ~300 here); the f64 reference is exact to ~1e-16. Rounding of inputs of
+// O(1) gives errors ~ sqrt(terms) * 2^-24 ~ 1e-6 of the largest magnitude, and
+// the vectorised exp/tanh add ~1e-7 relative. 1e-5 leaves a 10x margin while
+// still catching any real bug (a wrong mask entry or a dropped tile moves
+// results by > 1e-2).
+constexpr double kF32Tol = 1e-5;
+
+std::vector<double> ToDoubleVec(const std::vector<float>& v) {
+  return std::vector<double>(v.begin(), v.end());
+}
+
+std::vector<int64_t> Iota(int64_t n) {
+  std::vector<int64_t> v(static_cast<size_t>(n));
+  std::iota(v.begin(), v.end(), 0);
+  return v;
+}
+
+struct RunConfig {
+  Mask mask;
+  float softcap = 0.0f;
+  BlockSizes blocks{32, 32};
+  KernelPath path = KernelPath::kPortable;
+  int threads = 2;
+};
+
+// Kernel outputs of one forward (+ backward) run.
+struct Result {
+  std::vector<float> out, lse;  // [B, Sq, H, Dv], [B, H, Sq]
+  std::vector<float> dq, dk, dv;
+  KernelStats fwd_stats, bwd_stats;
+};
+
+class Problem {
+ public:
+  Problem(uint64_t seed, const ProblemSpec& spec) : rng_(seed), spec_(spec) {
+    owned_ = testing::RandomInputs(rng_, spec);
+    in_ = owned_.inputs();
+    q_pos_ = in_.q_positions.empty() ? Iota(spec.sq) : in_.q_positions;
+    kv_pos_ = in_.kv_positions.empty() ? Iota(spec.skv) : in_.kv_positions;
+    scale_ = 1.0f / std::sqrt(static_cast<float>(spec.d));
+    dout_ = testing::RandomTensor(rng_, DType::kF32, {spec.b, spec.sq, spec.h, spec.dv});
+  }
+
+  OwnedInputs& owned() { return owned_; }
+  const ProblemSpec& spec() const { return spec_; }
+  // Call after changing owned() (e.g. segments, positions).
+  void Refresh() {
+    in_ = owned_.inputs();
+    if (!owned_.q_pos.empty()) q_pos_ = owned_.q_pos;
+    if (!owned_.kv_pos.empty()) kv_pos_ = owned_.kv_pos;
+    in_.q_positions = q_pos_;
+    in_.kv_positions = kv_pos_;
+  }
+
+  testing::RefProblem Ref(const RunConfig& s) const {
+    AttentionOptions opt;
+    opt.mask = s.mask;
+    opt.scale = scale_;
+    if (s.softcap > 0) opt.softcap = s.softcap;
+    AttentionInputs in = in_;
+    in.sinks = TensorView();
+    in.q_positions = q_pos_;
+    in.kv_positions = kv_pos_;
+    return testing::MakeRefProblem(in, opt);
+  }
+  std::vector<double> Dout() const { return testing::ToDoubles(dout_.view()); }
+
+  FlashParams Params(const RunConfig& s) const {
+    FlashParams p;
+    p.q = in_.q;
+    p.k = in_.k;
+    p.v = in_.v;
+    p.q_segments = in_.q_segments;
+    p.kv_segments = in_.kv_segments;
+    p.q_pos = q_pos_.data();
+    p.kv_pos = kv_pos_.data();
+    p.mask = &s.mask;
+    p.scale = scale_;
+    p.softcap = s.softcap;
+    p.blocks = s.blocks;
+    p.path = s.path;
+    return p;
+  }
+
+  // Forward; with `backward` also the backward, fed the reference's f32-rounded
+  // lse and delta so its check isolates the backward kernel.
+  Result Run(const RunConfig& s, bool backward, const testing::RefForward* ref = nullptr) const {
+    const ProblemSpec& sp = spec_;
+    Result r;
+    r.out.assign(static_cast<size_t>(sp.b * sp.sq * sp.h * sp.dv), -7.0f);
+    r.lse.assign(static_cast<size_t>(sp.b * sp.h * sp.sq), -7.0f);
+    ThreadPool pool(s.threads);
+    const FlashParams p = Params(s);
+    kernels::FlashForward(p, pool, r.out.data(), r.lse.data(), &r.fwd_stats);
+    if (!backward) return r;
+    std::vector<float> lse(r.lse), delta(r.lse.size(), 0.0f);
+    const std::vector<double> dout = Dout();
+    for (int64_t b = 0; b < sp.b; ++b) {
+      for (int64_t h = 0; h < sp.h; ++h) {
+        for (int64_t i = 0; i < sp.sq; ++i) {
+          const int64_t row = (b * sp.h + h) * sp.sq + i;
+          double dl = 0;
+          for (int64_t c = 0; c < sp.dv; ++c) {
+            const int64_t o = ((b * sp.sq + i) * sp.h + h) * sp.dv + c;
+            dl += dout[o] * (ref != nullptr ? ref->out[o] : r.out[o]);
+          }
+          delta[row] = static_cast<float>(dl);
+          if (ref != nullptr) lse[row] = static_cast<float>(ref->lse[row]);
+        }
+      }
+    }
+    // Non-zero initial accumulators check that the kernel adds (+=).
+    r.dq.assign(static_cast<size_t>(sp.b * sp.sq * sp.h * sp.d), 0.5f);
+    r.dk.assign(static_cast<size_t>(sp.b * sp.skv * sp.hkv * sp.d), 0.5f);
+    r.dv.assign(static_cast<size_t>(sp.b * sp.skv * sp.hkv * sp.dv), 0.5f);
+    kernels::FlashBackward(p, pool, dout_.view(), lse.data(), delta.data(), r.dq.data(),
+                           r.dk.data(), r.dv.data(), &r.bwd_stats);
+    for (auto* vec : {&r.dq, &r.dk, &r.dv}) {
+      for (float& x : *vec) x -= 0.5f;
+    }
+    return r;
+  }
+
+ private:
+  Rng rng_;
+  ProblemSpec spec_;
+  OwnedInputs owned_;
+  AttentionInputs in_;
+  std::vector<int64_t> q_pos_, kv_pos_;
+  float scale_ = 1.0f;
+  Tensor dout_;
+};
+
+void ExpectClose(const std::vector<float>& actual, const std::vector<double>& expected, double tol,
+                 const std::string& what) {
+  const testing::Comparison c = Compare(ToDoubleVec(actual), expected);
+  EXPECT_LE(c.Relative(), tol) << what << ": " << c.Describe();
+}
+
+// --- KernelPath functions ---------------------------------------------------
+
+TEST(KernelPathTest, NamesRoundTripAndBadNamesThrow) {
+  for (KernelPath p :
+       {KernelPath::kAuto, KernelPath::kPortable, KernelPath::kAvx512, KernelPath::kAvx512Bf16}) {
+    EXPECT_EQ(ParseKernelPath(KernelPathName(p)), p);
+  }
+  EXPECT_THROW(ParseKernelPath("avx2"), Error);
+  EXPECT_THROW(ParseKernelPath(""), Error);
+}
+
+TEST(KernelPathTest, SupportedAndResolve) {
+  const std::vector<KernelPath> paths = SupportedKernelPaths();
+  ASSERT_FALSE(paths.empty());
+  EXPECT_EQ(paths.front(), KernelPath::kPortable);
+  const auto& f = kernels::DetectCpuFeatures();
+  EXPECT_EQ(paths.size(), 1u + (f.avx512 ? 1u : 0u) + (f.avx512_bf16 ? 1u : 0u));
+  for (KernelPath p : paths) EXPECT_EQ(ResolveKernelPath(p), p);
+  if (!f.avx512) {
+    EXPECT_THROW(ResolveKernelPath(KernelPath::kAvx512), Error);
+  }
+  if (!f.avx512_bf16) {
+    EXPECT_THROW(ResolveKernelPath(KernelPath::kAvx512Bf16), Error);
+  }
+
+  unsetenv("RINGSPLASH_KERNEL");
+  EXPECT_EQ(ResolveKernelPath(KernelPath::kAuto), paths.back());
+  setenv("RINGSPLASH_KERNEL", "portable", 1);
+  EXPECT_EQ(ResolveKernelPath(KernelPath::kAuto), KernelPath::kPortable);
+  // The environment only overrides kAuto.
+  EXPECT_EQ(ResolveKernelPath(paths.back()), paths.back());
+  setenv("RINGSPLASH_KERNEL", "fastest", 1);
+  EXPECT_THROW(ResolveKernelPath(KernelPath::kAuto), Error);
+  if (!f.avx512) {
+    setenv("RINGSPLASH_KERNEL", "avx512", 1);
+    EXPECT_THROW(ResolveKernelPath(KernelPath::kAuto), Error);
+  }
+  unsetenv("RINGSPLASH_KERNEL");
+}
+
+// --- Micro-kernels against plain loops ------------------------------------------
+
+std::vector<float> RandomFloats(Rng& rng, size_t n, float lo = -1.0f, float hi = 1.0f) {
+  std::uniform_real_distribution<float> u(lo, hi);
+  std::vector<float> v(n);
+  for (float& x : v) x = u(rng);
+  return v;
+}
+
+TEST(MicroKernelTest, GemmF32MatchesDoubleLoopsOnEveryPath) {
+  Rng rng(1);
+  for (KernelPath path : SupportedKernelPaths()) {
+    const kernels::micro::MicroKernels& mk = kernels::micro::MicroKernelsFor(path);
+    for (int64_t m : {1, 5, 6, 8, 13, 64}) {
+      for (int64_t n : {16, 48, 64, 80, 144}) {
+        for (int64_t k : {0, 1, 7, 128}) {
+          for (int layout = 0; layout < 3; ++layout) {
+            // layout 0: A row-major; 1: A transposed; 2: general strides.
+            const int64_t a_rs = layout == 0 ? k + 3 : layout == 1 ? 1 : 2 * k + 1;
+            const int64_t a_cs = layout == 0 ? 1 : layout == 1 ? m + 2 : 2;
+            const size_t a_size = static_cast<size_t>((m + 2) * (a_rs + 1) + (k + 1) * a_cs);
+            const std::vector<float> a = RandomFloats(rng, a_size);
+            const int64_t ldb = n + 16, ldc = n + 32;
+            const std::vector<float> b = RandomFloats(rng, static_cast<size_t>(k * ldb + 1));
+            const std::vector<float> c0 = RandomFloats(rng, static_cast<size_t>(m * ldc));
+            const std::vector<float> rs = RandomFloats(rng, static_cast<size_t>(m));
+            for (int mode = 0; mode < 3; ++mode) {  // overwrite, +=, row-scaled +=
+              std::vector<float> c = c0;
+              mk.gemm_f32(m, n, k, a.data(), a_rs, a_cs, b.data(), ldb, c.data(), ldc,
+                          mode == 2 ? rs.data() : nullptr, mode != 0);
+              double worst = 0;
+              for (int64_t i = 0; i < m; ++i) {
+                for (int64_t j = 0; j < ldc; ++j) {
+                  const size_t o = static_cast<size_t>(i * ldc + j);
+                  if (j >= n) {  // outside the tile: untouched
+                    ASSERT_EQ(c[o], c0[o]);
+                    continue;
+                  }
+                  double e = mode == 0 ? 0.0 : mode == 1 ? c0[o] : double{rs[i]} * c0[o];
+                  for (int64_t p = 0; p < k; ++p) {
+                    e += double{a[i * a_rs + p * a_cs]} * b[p * ldb + j];
+                  }
+                  worst = std::max(worst, std::abs(c[o] - e));
+                }
+              }
+              // k <= 128 products of |x| <= 1 in f32: error <= k * 2^-24 * k.
+              EXPECT_LE(worst, 1e-5 * (1.0 + static_cast<double>(k)))
+                  << KernelPathName(path) << " m=" << m << " n=" << n << " k=" << k
+                  << " layout=" << layout << " mode=" << mode;
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(MicroKernelTest, GemmBf16MatchesDoubleLoopsOnRoundedInputs) {
+  const kernels::micro::MicroKernels& mk = kernels::micro::MicroKernelsFor(KernelPath::kAvx512Bf16);
+  if (!kernels::DetectCpuFeatures().avx512_bf16) GTEST_SKIP() << "no AVX512_BF16";
+  Rng rng(2);
+  for (int64_t m : {1, 7, 8, 64}) {
+    for (int64_t n : {16, 32, 64, 112}) {
+      for (int64_t k2 : {1, 3, 64}) {
+        const int64_t lda = 2 * k2 + 4, ldb = n + 16, ldc = n;
+        std::vector<uint16_t> a(static_cast<size_t>(m * lda)), b(static_cast<size_t>(k2 * ldb * 2));
+        std::uniform_real_distribution<float> u(-1, 1);
+        for (auto& x : a) x = F32ToBF16(u(rng));
+        for (auto& x : b) x = F32ToBF16(u(rng));
+        std::vector<float> c(static_cast<size_t>(m * ldc));
+        mk.gemm_bf16(m, n, k2, a.data(), lda, b.data(), ldb, c.data(), ldc, nullptr, false);
+        double worst = 0;
+        for (int64_t i = 0; i < m; ++i) {
+          for (int64_t j = 0; j < n; ++j) {
+            double e = 0;
+            for (int64_t p = 0; p < 2 * k2; ++p) {
+              e +=
+                  double{BF16ToF32(a[i * lda + p])} * BF16ToF32(b[((p / 2) * ldb + j) * 2 + p % 2]);
+            }
+            worst = std::max(worst, std::abs(c[i * ldc + j] - e));
+          }
+        }
+        // Products of bf16 values are exact in f32; only the f32 sums round.
+        EXPECT_LE(worst, 1e-5 * static_cast<double>(2 * k2)) << m << " " << n << " " << k2;
+      }
+    }
+  }
+}
+
+TEST(MicroKernelTest, SoftmaxForwardMatchesDoubleMath) {
+  Rng rng(3);
+  const int64_t m = 9, n = 37, lds = 48;
+  for (KernelPath path : SupportedKernelPaths()) {
+    const kernels::micro::MicroKernels& mk = kernels::micro::MicroKernelsFor(path);
+    for (float softcap : {0.0f, 5.0f, 30.0f}) {
+      std::vector<float> s = RandomFloats(rng, static_cast<size_t>(m * lds), -400, 400);
+      std::vector<uint8_t> mask(static_cast<size_t>(m * lds));
+      for (size_t i = 0; i < mask.size(); ++i) mask[i] = (rng() % 3) != 0;
+      for (int64_t j = 0; j < n; ++j) mask[3 * lds + j] = 0;  // row 3: fully masked
+      std::vector<float> row_max(m), row_sum(m), alpha(m);
+      for (int64_t i = 0; i < m; ++i) {
+        row_max[i] = i % 2 == 0 ? -std::numeric_limits<float>::infinity() : 2.0f;
+        row_sum[i] = i % 2 == 0 ? 0.0f : 1.5f;
+      }
+      const std::vector<float> s0 = s, max0 = row_max, sum0 = row_sum;
+      const float scale = 0.125f;
+      mk.softmax_forward(m, n, s.data(), lds, mask.data(), lds, scale, softcap, row_max.data(),
+                         row_sum.data(), alpha.data());
+      for (int64_t i = 0; i < m; ++i) {
+        double mx = max0[i];
+        std::vector<double> x(n);
+        for (int64_t j = 0; j < n; ++j) {
+          double v = double{scale} * s0[i * lds + j];
+          if (softcap > 0) v = softcap * std::tanh(v / softcap);
+          x[j] = mask[i * lds + j] ? v : -kInf;
+          mx = std::max(mx, x[j]);
+        }
+        const double shift = mx == -kInf ? 0.0 : mx;
+        double sum = 0;
+        for (int64_t j = 0; j < lds; ++j) {
+          const double p = j < n ? std::exp(x[j] - shift) : 0.0;
+          sum += p;
+          // exp's argument is a difference of f32 logits of magnitude up to
+          // |x| + |shift|, each carrying ~2^-24 relative rounding (and the
+          // vectorised tanh/exp ~1e-7): p's relative error is bounded by that
+          // absolute error, with a 4x margin.
+          const double arg_err = (j < n && x[j] != -kInf ? std::abs(x[j]) : 0.0) + std::abs(shift);
+          const double tol = 1e-7 + p * 4.0 * (arg_err * 0x1p-24 + 1e-7);
+          ASSERT_NEAR(s[i * lds + j], p, tol) << KernelPathName(path) << " cap " << softcap;
+        }
+        // Same argument for alpha and the row sum: exp's arguments are off by
+        // up to ~2^-24 (|max| + |shift|) each.
+        const double a = std::exp(double{max0[i]} - shift);
+        const double rel = 4.0 * 0x1p-24 * (2.0 * std::abs(shift) + 2.0) + 1e-6;
+        EXPECT_NEAR(alpha[i], a, rel * a);
+        EXPECT_NEAR(row_sum[i], a * sum0[i] + sum, rel * (a * sum0[i] + sum));
+        if (mx == -kInf) {
+          EXPECT_EQ(row_max[i], -std::numeric_limits<float>::infinity());
+        } else {
+          EXPECT_NEAR(row_max[i], mx, 4.0 * 0x1p-24 * std::abs(mx) + 1e-7);
+        }
+      }
+    }
+  }
+}
+
+// --- FlashForward / FlashBackward against the f64 reference -------------------
+
+struct Shape {
+  int64_t b, sq, skv, h, hkv, d, dv;
+};
+
+void CheckAgainstReference(const Shape& sh, DType dtype, const RunConfig& s, bool segments,
+                           uint64_t seed, bool backward = true) {
+  ProblemSpec spec;
+  spec.b = sh.b;
+  spec.sq = sh.sq;
+  spec.skv = sh.skv;
+  spec.h = sh.h;
+  spec.hkv = sh.hkv;
+  spec.d = sh.d;
+  spec.dv = sh.dv;
+  spec.dtype = dtype;
+  spec.segments = segments;
+  Problem prob(seed, spec);
+  const testing::RefProblem rp = prob.Ref(s);
+  const testing::RefForward ref = testing::ReferenceForward(rp);
+  const Result r = prob.Run(s, backward, &ref);
+  const std::string what = std::string(KernelPathName(s.path)) + " " + DTypeName(dtype) +
+                           " d=" + std::to_string(sh.d) + " dv=" + std::to_string(sh.dv) +
+                           " sq=" + std::to_string(sh.sq) + " skv=" + std::to_string(sh.skv);
+  // bf16 products (avx512_bf16 with bf16 inputs) compute S exactly like f32
+  // on the rounded inputs (bf16 x bf16 products are exact in f32) but round
+  // P to bf16 (relative 2^-9) for P V. |out_i error| <= 2^-9 sum_j p_ij |v_j|
+  // <= 2^-9 max|v|, plus 2x the f32 error allowance for the rest.
+  double out_tol = kF32Tol;
+  if (dtype == DType::kBF16 && s.path == KernelPath::kAvx512Bf16) {
+    out_tol = 2 * kF32Tol +
+              std::ldexp(testing::MaxAbs(rp.v), -9) / std::max(1e-30, testing::MaxAbs(ref.out));
+  }
+  ExpectClose(r.out, ref.out, out_tol, "out " + what);
+  ExpectClose(r.lse, ref.lse, kF32Tol, "lse " + what);
+  if (!backward) return;
+  const testing::RefBackward g = testing::ReferenceBackward(rp, prob.Dout());
+  // The backward has no bf16 products: f32 math on the (rounded) inputs.
+  ExpectClose(r.dq, g.dq, kF32Tol, "dq " + what);
+  ExpectClose(r.dk, g.dk, kF32Tol, "dk " + what);
+  ExpectClose(r.dv, g.dv, kF32Tol, "dv " + what);
+}
+
+TEST(FlashTest, HeadDimsAndRaggedShapesOnEveryPath) {
+  const std::vector<Shape> shapes = {
+      {1, 1, 1, 1, 1, 1, 1},     {1, 37, 53, 2, 1, 16, 16},   {2, 45, 29, 2, 2, 64, 64},
+      {1, 50, 70, 4, 2, 80, 80}, {1, 33, 40, 2, 2, 128, 128}, {1, 20, 24, 1, 1, 256, 256},
+      {1, 40, 33, 2, 1, 64, 1},  {1, 17, 70, 3, 3, 16, 80},
+  };
+  uint64_t seed = 10;
+  for (KernelPath path : SupportedKernelPaths()) {
+    for (const Shape& sh : shapes) {
+      for (DType dtype : {DType::kF32, DType::kBF16}) {
+        RunConfig s;
+        s.path = path;
+        s.mask = Mask::Causal();
+        CheckAgainstReference(sh, dtype, s, /*segments=*/false, ++seed);
+      }
+    }
+  }
+}
+
+TEST(FlashTest, MasksGqaAndBlockShapes) {
+  const std::vector<Mask> masks = {Mask::Full(), Mask::Causal(7), Mask::Local(5, 9),
+                                   Mask::ChunkedCausal(24),
+                                   Mask::Causal() & Mask::Local(20, std::nullopt)};
+  uint64_t seed = 100;
+  for (KernelPath path : SupportedKernelPaths()) {
+    for (const Mask& mask : masks) {
+      RunConfig s;
+      s.path = path;
+      s.mask = mask;
+      s.blocks = {16, 48};
+      CheckAgainstReference({2, 70, 90, 4, 2, 32, 48}, DType::kF32, s, false, ++seed);
+      s.blocks = {64, 16};
+      CheckAgainstReference({1, 70, 90, 6, 1, 24, 16}, DType::kF32, s, true, ++seed);
+    }
+  }
+}
+
+TEST(FlashTest, SoftCapWithHugeLogits) {
+  uint64_t seed = 200;
+  for (KernelPath path : SupportedKernelPaths()) {
+    for (DType dtype : {DType::kF32, DType::kBF16}) {
+      ProblemSpec spec;
+      spec.sq = 40;
+      spec.skv = 50;
+      spec.h = 2;
+      spec.hkv = 1;
+      spec.d = 64;
+      spec.dv = 64;
+      spec.dtype = dtype;
+      spec.qk_range = 12.0;  // |s| up to 144^2 * 64 / 8: logits ~1e3 before the cap
+      Problem prob(++seed, spec);
+      RunConfig s;
+      s.path = path;
+      s.softcap = 20.0f;
+      s.mask = Mask::Causal();
+      const testing::RefProblem rp = prob.Ref(s);
+      const testing::RefForward ref = testing::ReferenceForward(rp);
+      const Result r = prob.Run(s, true, &ref);
+      const testing::RefBackward g = testing::ReferenceBackward(rp, prob.Dout());
+      double out_tol = kF32Tol;
+      if (dtype == DType::kBF16 && path == KernelPath::kAvx512Bf16) {
+        out_tol = 2 * kF32Tol + std::ldexp(testing::MaxAbs(rp.v), -9) / testing::MaxAbs(ref.out);
+      }
+      const std::string what = std::string(KernelPathName(path)) + " " + DTypeName(dtype);
+      ExpectClose(r.out, ref.out, out_tol, "out " + what);
+      ExpectClose(r.lse, ref.lse, kF32Tol, "lse " + what);
+      // Gradients through the cap scale with |q|,|k| ~ 12, whose f32 logits
+      // carry absolute error ~|s| 2^-24 ~ 1e-4 before the cap damps them: 1e-4.
+      ExpectClose(r.dq, g.dq, 1e-4, "dq " + what);
+      ExpectClose(r.dk, g.dk, 1e-4, "dk " + what);
+      ExpectClose(r.dv, g.dv, kF32Tol, "dv " + what);
+    }
+  }
+}
+
+TEST(FlashTest, SegmentsWithQueryDocumentThatHasNoKeys) {
+  for (KernelPath path : SupportedKernelPaths()) {
+    ProblemSpec spec;
+    spec.b = 2;
+    spec.sq = 48;
+    spec.skv = 48;
+    spec.h = 2;
+    spec.hkv = 1;
+    spec.d = 16;
+    spec.dv = 16;
+    Problem prob(300, spec);
+    OwnedInputs& o = prob.owned();
+    o.q_seg = Tensor(DType::kI32, {2, 48});
+    o.kv_seg = Tensor(DType::kI32, {2, 48});
+    int32_t* qs = o.q_seg.data_as<int32_t>();
+    int32_t* ks = o.kv_seg.data_as<int32_t>();
+    for (int64_t b = 0; b < 2; ++b) {
+      for (int64_t i = 0; i < 48; ++i) {
+        // q: docs 1 | 7 | 2; kv: docs 1 | 2. Document 7 has no keys at all.
+        qs[b * 48 + i] = i < 10 ? 1 : i < 30 ? 7 : 2;
+        ks[b * 48 + i] = i < 20 ? 1 : 2;
+      }
+    }
+    prob.Refresh();
+    RunConfig s;
+    s.path = path;
+    s.blocks = {16, 16};
+    s.mask = Mask::Full();
+    const testing::RefProblem rp = prob.Ref(s);
+    const testing::RefForward ref = testing::ReferenceForward(rp);
+    const Result r = prob.Run(s, true, &ref);
+    const testing::RefBackward g = testing::ReferenceBackward(rp, prob.Dout());
+    ExpectClose(r.out, ref.out, kF32Tol, "out");
+    ExpectClose(r.lse, ref.lse, kF32Tol, "lse");
+    ExpectClose(r.dq, g.dq, kF32Tol, "dq");
+    ExpectClose(r.dk, g.dk, kF32Tol, "dk");
+    ExpectClose(r.dv, g.dv, kF32Tol, "dv");
+    for (int64_t b = 0; b < 2; ++b) {
+      for (int64_t h = 0; h < 2; ++h) {
+        for (int64_t i = 10; i < 30; ++i) {
+          EXPECT_EQ(r.lse[(b * 2 + h) * 48 + i], -std::numeric_limits<float>::infinity());
+          for (int64_t c = 0; c < 16; ++c) {
+            EXPECT_EQ(r.out[((b * 48 + i) * 2 + h) * 16 + c], 0.0f);
+            EXPECT_EQ(r.dq[((b * 48 + i) * 2 + h) * 16 + c], 0.0f);
+          }
+        }
+      }
+    }
+    for (const auto* v : {&r.out, &r.dq, &r.dk, &r.dv}) {
+      for (float x : *v) ASSERT_FALSE(std::isnan(x));
+    }
+  }
+}
+
+TEST(FlashTest, StridedBhsdViewsAndF16Inputs) {
+  for (KernelPath path : SupportedKernelPaths()) {
+    for (DType dtype : {DType::kF16, DType::kBF16, DType::kF32}) {
+      ProblemSpec spec;
+      spec.b = 2;
+      spec.sq = 35;
+      spec.skv = 41;
+      spec.h = 4;
+      spec.hkv = 2;
+      spec.d = 40;
+      spec.dv = 24;
+      spec.dtype = dtype;
+      spec.bhsd = true;
+      Problem prob(400, spec);
+      RunConfig s;
+      s.path = path;
+      s.mask = Mask::Local(10, 3);
+      const testing::RefProblem rp = prob.Ref(s);
+      const testing::RefForward ref = testing::ReferenceForward(rp);
+      const Result r = prob.Run(s, true, &ref);
+      const testing::RefBackward g = testing::ReferenceBackward(rp, prob.Dout());
+      double out_tol = kF32Tol;
+      if (dtype == DType::kBF16 && path == KernelPath::kAvx512Bf16) {
+        out_tol = 2 * kF32Tol + std::ldexp(testing::MaxAbs(rp.v), -9) / testing::MaxAbs(ref.out);
+      }
+      const std::string what = std::string(KernelPathName(path)) + " " + DTypeName(dtype);
+      ExpectClose(r.out, ref.out, out_tol, "out " + what);
+      ExpectClose(r.lse, ref.lse, kF32Tol, "lse " + what);
+      ExpectClose(r.dq, g.dq, kF32Tol, "dq " + what);
+      ExpectClose(r.dk, g.dk, kF32Tol, "dk " + what);
+      ExpectClose(r.dv, g.dv, kF32Tol, "dv " + what);
+    }
+  }
+}
+
+TEST(FlashTest, ShiftedGlobalPositionsAndEmptyKv) {
+  // A ring step: q holds global rows 64..95, kv rows 0..47 under a causal
+  // mask with a window, so some q rows see nothing.
+  ProblemSpec spec;
+  spec.sq = 32;
+  spec.skv = 48;
+  spec.h = 2;
+  spec.hkv = 2;
+  spec.d = 16;
+  spec.dv = 16;
+  Problem prob(500, spec);
+  prob.owned().q_pos.resize(32);
+  prob.owned().kv_pos.resize(48);
+  std::iota(prob.owned().q_pos.begin(), prob.owned().q_pos.end(), 64);
+  std::iota(prob.owned().kv_pos.begin(), prob.owned().kv_pos.end(), 0);
+  prob.Refresh();
+  for (KernelPath path : SupportedKernelPaths()) {
+    RunConfig s;
+    s.path = path;
+    s.blocks = {16, 16};
+    s.mask = Mask::Causal() & Mask::Local(30, std::nullopt);
+    const testing::RefProblem rp = prob.Ref(s);
+    const testing::RefForward ref = testing::ReferenceForward(rp);
+    const Result r = prob.Run(s, true, &ref);
+    const testing::RefBackward g = testing::ReferenceBackward(rp, prob.Dout());
+    ExpectClose(r.out, ref.out, kF32Tol, "out");
+    ExpectClose(r.lse, ref.lse, kF32Tol, "lse");
+    ExpectClose(r.dq, g.dq, kF32Tol, "dq");
+    ExpectClose(r.dk, g.dk, kF32Tol, "dk");
+    ExpectClose(r.dv, g.dv, kF32Tol, "dv");
+  }
+  // Skv = 0: every row is empty.
+  ProblemSpec empty = spec;
+  empty.skv = 0;
+  Problem e(501, empty);
+  const Result r = e.Run(RunConfig{}, true);
+  for (float x : r.out) EXPECT_EQ(x, 0.0f);
+  for (float x : r.lse) EXPECT_EQ(x, -std::numeric_limits<float>::infinity());
+  for (float x : r.dq) EXPECT_EQ(x, 0.0f);
+}
+
+// --- Block sparsity, determinism, block-size invariance -----------------------
+
+TEST(FlashTest, CausalSkipsEmptyTilesAndCountsFlops) {
+  // S = 256, blocks 32 x 32: per (b, h) 8 x 8 tiles; causal computes the 36 on
+  // or below the diagonal (8 partial diagonal ones) and skips 28.
+  ProblemSpec spec;
+  spec.b = 2;
+  spec.sq = 256;
+  spec.skv = 256;
+  spec.h = 2;
+  spec.hkv = 1;
+  spec.d = 16;
+  spec.dv = 32;
+  Problem prob(600, spec);
+  for (KernelPath path : SupportedKernelPaths()) {
+    RunConfig s;
+    s.path = path;
+    s.mask = Mask::Causal();
+    const Result r = prob.Run(s, true);
+    const int64_t heads = spec.b * spec.h;
+    for (const KernelStats* st : {&r.fwd_stats, &r.bwd_stats}) {
+      EXPECT_EQ(st->computed_blocks, heads * 36);
+      EXPECT_EQ(st->partial_blocks, heads * 8);
+      EXPECT_EQ(st->full_blocks, heads * 28);
+      EXPECT_EQ(st->skipped_blocks, heads * 28);
+    }
+    const double tile = 32.0 * 32.0;
+    EXPECT_EQ(r.fwd_stats.flops, heads * 36 * 2 * tile * (spec.d + spec.dv));
+    // dK/dV pass: S, dP, dV, dK; dQ pass: S, dP, dQ.
+    EXPECT_EQ(r.bwd_stats.flops,
+              heads * 36 * tile * (4.0 * (spec.d + spec.dv) + 2.0 * (2 * spec.d + spec.dv)));
+  }
+}
+
+TEST(FlashTest, BitwiseIdenticalAcrossThreadCounts) {
+  for (KernelPath path : SupportedKernelPaths()) {
+    for (DType dtype : {DType::kF32, DType::kBF16}) {
+      ProblemSpec spec;
+      spec.b = 2;
+      spec.sq = 100;
+      spec.skv = 90;
+      spec.h = 4;
+      spec.hkv = 2;
+      spec.d = 32;
+      spec.dv = 32;
+      spec.dtype = dtype;
+      spec.segments = true;
+      Problem prob(700, spec);
+      RunConfig s;
+      s.path = path;
+      s.mask = Mask::Causal(20);
+      s.threads = 1;
+      const Result r1 = prob.Run(s, true);
+      for (int threads : {2, 3}) {
+        s.threads = threads;
+        const Result rn = prob.Run(s, true);
+        EXPECT_EQ(std::memcmp(r1.out.data(), rn.out.data(), r1.out.size() * 4), 0);
+        EXPECT_EQ(std::memcmp(r1.lse.data(), rn.lse.data(), r1.lse.size() * 4), 0);
+        EXPECT_EQ(std::memcmp(r1.dq.data(), rn.dq.data(), r1.dq.size() * 4), 0);
+        EXPECT_EQ(std::memcmp(r1.dk.data(), rn.dk.data(), r1.dk.size() * 4), 0);
+        EXPECT_EQ(std::memcmp(r1.dv.data(), rn.dv.data(), r1.dv.size() * 4), 0);
+      }
+    }
+  }
+}
+
+TEST(FlashTest, BlockSizesChangeResultsOnlyByRounding) {
+  ProblemSpec spec;
+  spec.sq = 130;
+  spec.skv = 150;
+  spec.h = 2;
+  spec.hkv = 1;
+  spec.d = 64;
+  spec.dv = 64;
+  spec.segments = true;
+  Problem prob(800, spec);
+  for (KernelPath path : SupportedKernelPaths()) {
+    RunConfig s;
+    s.path = path;
+    s.mask = Mask::Causal(10) | Mask::Local(3, 3);
+    s.blocks = {16, 16};
+    const Result a = prob.Run(s, true);
+    for (BlockSizes bs : {BlockSizes{64, 128}, BlockSizes{48, 32}, BlockSizes{256, 256}}) {
+      s.blocks = bs;
+      const Result b = prob.Run(s, true);
+      // Both are f32 computations of the same sums in different orders.
+      ExpectClose(b.out, ToDoubleVec(a.out), kF32Tol, "out");
+      ExpectClose(b.lse, ToDoubleVec(a.lse), kF32Tol, "lse");
+      ExpectClose(b.dq, ToDoubleVec(a.dq), kF32Tol, "dq");
+      ExpectClose(b.dk, ToDoubleVec(a.dk), kF32Tol, "dk");
+      ExpectClose(b.dv, ToDoubleVec(a.dv), kF32Tol, "dv");
+    }
+  }
+}
+
+}  // namespace
+}  // namespace ringsplash
