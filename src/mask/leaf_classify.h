@@ -31,10 +31,9 @@ namespace ringsplash::mask_detail {
 //          bit2 d_hi <  off-L, bit3 d_lo >  off+R   (empty = bit2 | bit3)
 //          (an unbounded side makes its full bit 1 and its empty bit 0)
 //   Chunked (same chunk c(x) = floor(x / C), and kv <= q):
-//          bit0 kv_lo > q_hi, bit1 c(q_lo) > c(kv_hi), bit2 c(kv_lo) > c(q_hi)
-//          (empty = bit0 | bit1 | bit2: a pair exists iff some chunk meets both
-//          ranges and kv_lo <= q_hi; see the proof in LeafKindFromBits)
-//          bit3 kv_hi <= q_lo, bit4 c(kv_lo) >= c(q_hi) (full = bit3 & bit4)
+//          bit0 kv_lo > q_hi, bit1 c(q_lo) > c(kv_hi) (empty = bit0 | bit1:
+//          see the proof in LeafKindFromBits)
+//          bit2 kv_hi <= q_lo, bit3 c(kv_lo) >= c(q_hi) (full = bit2 & bit3)
 //   Full: no bits.
 inline uint32_t LeafBits(const Node& leaf, int64_t q_lo, int64_t q_hi, int64_t kv_lo,
                          int64_t kv_hi) {
@@ -55,14 +54,13 @@ inline uint32_t LeafBits(const Node& leaf, int64_t q_lo, int64_t q_hi, int64_t k
     }
     case NodeKind::kChunked: {
       const int64_t c = leaf.chunk;
+      const int64_t c_kv_lo = FloorDiv(kv_lo, c);
+      const int64_t c_q_hi = FloorDiv(q_hi, c);
       uint32_t bits = 0;
       if (kv_lo > q_hi) bits |= 1u;
       if (FloorDiv(q_lo, c) > FloorDiv(kv_hi, c)) bits |= 2u;
-      const int64_t c_kv_lo = FloorDiv(kv_lo, c);
-      const int64_t c_q_hi = FloorDiv(q_hi, c);
-      if (c_kv_lo > c_q_hi) bits |= 4u;
-      if (kv_hi <= q_lo) bits |= 8u;
-      if (c_kv_lo >= c_q_hi) bits |= 16u;
+      if (kv_hi <= q_lo) bits |= 4u;
+      if (c_kv_lo >= c_q_hi) bits |= 8u;
       return bits;
     }
     default:
@@ -75,8 +73,10 @@ inline uint32_t LeafBits(const Node& leaf, int64_t q_lo, int64_t q_hi, int64_t k
 // Chunked, why it is exact: a pair (q, kv) with kv <= q in one chunk k
 // exists iff k is in [c(q_lo), c(q_hi)] and in [c(kv_lo), c(kv_hi)] and
 // max(kv_lo, kC) <= min(q_hi, kC + C - 1); for any k of that intersection
-// the last condition reduces to kv_lo <= q_hi. Full: kv_hi <= q_lo makes
-// every pair causal, and kv_lo <= ... <= q_hi all share one chunk iff
+// the last condition reduces to kv_lo <= q_hi. The intersection is empty iff
+// c(q_lo) > c(kv_hi) or c(kv_lo) > c(q_hi); the latter implies kv_lo > q_hi,
+// so empty = (kv_lo > q_hi) or (c(q_lo) > c(kv_hi)). Full: kv_hi <= q_lo
+// makes every pair causal, and kv_lo <= ... <= q_hi all share one chunk iff
 // c(kv_lo) == c(q_hi), i.e. >= since kv_lo <= q_hi.
 inline mask::BlockKind LeafKindFromBits(NodeKind kind, uint32_t bits) {
   using mask::BlockKind;
@@ -89,8 +89,8 @@ inline mask::BlockKind LeafKindFromBits(NodeKind kind, uint32_t bits) {
       if (bits & 12u) return BlockKind::kEmpty;
       return (bits & 3u) == 3u ? BlockKind::kFull : BlockKind::kPartial;
     case NodeKind::kChunked:
-      if (bits & 7u) return BlockKind::kEmpty;
-      return (bits & 24u) == 24u ? BlockKind::kFull : BlockKind::kPartial;
+      if (bits & 3u) return BlockKind::kEmpty;
+      return (bits & 12u) == 12u ? BlockKind::kFull : BlockKind::kPartial;
     default:
       return BlockKind::kPartial;
   }

@@ -145,7 +145,7 @@ class Parser {
   // Parses one optionally signed decimal int64 argument of `term`.
   int64_t ParseInt(std::string_view term, std::string_view arg, const char* what) const {
     arg = Trim(arg);
-    if (arg.empty()) Reject("term '", term, "': missing ", what);
+    if (arg.empty()) Reject("term '", term, "': missing ", what, " (expected a decimal integer)");
     std::string_view digits = arg;
     if (digits.front() == '+') digits.remove_prefix(1);
     int64_t value = 0;
@@ -157,7 +157,8 @@ class Parser {
     }
     if (ec != std::errc() || ptr != last || digits.empty() ||
         (digits.front() == '-' && arg.front() == '+')) {
-      Reject("term '", term, "': ", what, " '", arg, "' is not an integer");
+      Reject("term '", term, "': ", what, " '", arg,
+             "' is not an integer (expected an optionally signed decimal integer)");
     }
     return value;
   }
