@@ -44,8 +44,12 @@ void CheckShape(const TensorView& t, const char* name, std::initializer_list<int
 
 // A float tensor that must have the input dtype or f32 (outputs, gradients).
 void CheckOutDType(const TensorView& t, const char* name, DType q_dtype) {
-  Check(t.dtype == q_dtype || t.dtype == DType::kF32, name, ": expected dtype ", DTypeName(q_dtype),
-        " (the dtype of q) or f32, got ", t.Describe());
+  if (t.dtype == q_dtype || t.dtype == DType::kF32) return;
+  if (q_dtype == DType::kF32) {
+    Fail(name, ": expected dtype f32 (the dtype of q), got ", t.Describe());
+  }
+  Fail(name, ": expected dtype ", DTypeName(q_dtype), " (the dtype of q) or f32, got ",
+       t.Describe());
 }
 
 std::string Shape4(const char* a, int64_t av, const char* b, int64_t bv, const char* c, int64_t cv,
