@@ -34,18 +34,21 @@ class Mask {
   static Mask Local(std::optional<int64_t> left, std::optional<int64_t> right,
                     int64_t offset = 0);
   // allowed iff q_pos / chunk == kv_pos / chunk and q_pos >= kv_pos; chunk > 0.
+  // (Chunks are [k * chunk, (k + 1) * chunk), i.e. floor division, should a
+  // position ever be negative.)
   static Mask ChunkedCausal(int64_t chunk);
   // A given boolean matrix indexed by global positions: `values` is row-major
   // [sq, skv] (heads == 0: same for every head) or [heads, sq, skv].
-  // Non-zero bytes mean allowed.
+  // Non-zero bytes mean allowed. Allowed() is false for positions outside
+  // [0, sq) x [0, skv); the API layer rejects such positions up front.
   static Mask Dense(std::vector<uint8_t> values, int64_t heads, int64_t sq, int64_t skv);
   // Head h uses masks[h]; masks.size() must equal the number of query heads.
   static Mask PerHead(std::vector<Mask> masks);
   // Text form used on the command line: terms `full`, `causal`, `causal:OFF`,
   // `local:L,R`, `local:L,R,OFF` (empty L or R is unbounded, offsets may be
   // negative), `chunked:C`, joined with `&` (binds tighter) and `|`.
-  // Whitespace around terms and operators is ignored. Throws Error naming the
-  // bad term.
+  // Parentheses group. Whitespace around terms, operators and arguments is
+  // ignored. Throws Error naming the bad term.
   static Mask Parse(std::string_view text);
 
   friend Mask operator&(const Mask& a, const Mask& b);
@@ -57,7 +60,8 @@ class Mask {
   // 0 if the mask is the same for every head; otherwise the number of query
   // heads it was built for (PerHead size, Dense heads), which must equal H.
   int64_t num_heads() const;
-  // For Dense leaves: the global [sq, skv] extent it covers (0, 0 if none).
+  // For Dense leaves: the global [sq, skv] extent it covers (0, 0 if none;
+  // the smallest extent when several Dense leaves are combined).
   // Positions outside a Dense extent are a caller error checked at the API.
   int64_t dense_sq() const;
   int64_t dense_skv() const;

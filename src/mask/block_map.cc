@@ -95,12 +95,17 @@ std::vector<int64_t> MonotoneStretchEnds(const BlockRanges& r) {
   return ends;
 }
 
+// FNV-1a style over 8-byte words (a hash only: equality is checked bytewise).
 uint64_t HashBytes(const uint8_t* p, size_t n, uint64_t seed) {
-  uint64_t h = 1469598103934665603ull ^ seed;  // FNV-1a
-  for (size_t i = 0; i < n; ++i) {
-    h ^= p[i];
-    h *= 1099511628211ull;
+  uint64_t h = 1469598103934665603ull ^ seed;
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    uint64_t w = 0;
+    std::memcpy(&w, p + i, 8);
+    h = (h ^ w) * 1099511628211ull;
+    h ^= h >> 29;
   }
+  for (; i < n; ++i) h = (h ^ p[i]) * 1099511628211ull;
   return h;
 }
 

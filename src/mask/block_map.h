@@ -4,7 +4,8 @@
 // (q block, kv block) tile is classified as empty (never touched), full (no
 // per-element mask work) or partial (needs an element mask). Structured masks
 // are classified analytically from each block's [min, max] position range in
-// O(1) per tile; the map stores run-length encoded rows, so memory is
+// O(1) per tile (and the builder evaluates far fewer tiles than exist when
+// positions are sorted); the map stores run-length encoded rows, so memory is
 // O(number of runs) — a 1M-token causal mask never allocates 1M x 1M anything.
 // Dense masks are classified by scanning their tiles; identical partial tiles
 // are stored once (de-duplicated) and referenced by index.
@@ -41,7 +42,10 @@ struct BlockRanges {
 
 // Classifies one tile of `mask` for query head `head` given the position
 // ranges of its q rows and kv columns. Exact for empty and full (never claims
-// empty or full wrongly); may say partial when unsure.
+// empty or full wrongly); may say partial when unsure. O(1) per structured
+// leaf (and exact both ways for a single one); Dense leaves are scanned over
+// the whole integer rectangle, which for strided positions is much more than
+// the tile — BlockMap::Build scans the actual positions instead.
 BlockKind ClassifyTile(const Mask& mask, int64_t head, int64_t q_lo, int64_t q_hi, int64_t kv_lo,
                        int64_t kv_hi);
 // Segment refinement: tiles whose q and kv segment-id ranges do not meet are
@@ -57,6 +61,7 @@ inline BlockKind Combine(BlockKind a, BlockKind b) {
 // Fills out[i * ld + j] = allowed(head, q_pos[i], kv_pos[j]) ? 1 : 0 for
 // i < q_pos.size(), j < kv_pos.size(). Vectorisable per leaf; used for
 // partial tiles (O(bq * bkv), small next to the tile's O(bq * bkv * D) FLOPs).
+// Thread-safe; uses per-thread scratch, so it allocates nothing once warm.
 void FillTileMask(const Mask& mask, int64_t head, std::span<const int64_t> q_pos,
                   std::span<const int64_t> kv_pos, uint8_t* out, int64_t ld);
 
@@ -65,7 +70,11 @@ class BlockMap {
   // Row-major map (rows = q blocks, runs over kv blocks) when by_column is
   // false; column-major (rows = kv blocks, runs over q blocks) when true —
   // the backward's dK/dV pass walks columns. num_query_heads is H; the map
-  // has one plane per head only if the mask depends on the head.
+  // has one plane per head only if the mask depends on the head (then
+  // mask.num_heads() must equal H). Positions may be any int64 sequence
+  // (sorted or not); the last block of each side may be smaller. Tile kinds
+  // are exact when they say empty or full (see block_map.cc for how).
+  // Throws Error for block sizes <= 0, H < 1 or a head-count mismatch.
   static BlockMap Build(const Mask& mask, std::span<const int64_t> q_pos,
                         std::span<const int64_t> kv_pos, int64_t bq, int64_t bkv,
                         int64_t num_query_heads, bool by_column = false);
@@ -77,16 +86,24 @@ class BlockMap {
   bool by_column() const { return by_column_; }
   // Number of head planes (1 when the mask is head-independent).
   int64_t num_planes() const { return planes_; }
-  // Non-empty runs of major-block `row` for query head `head`.
+  // Non-empty runs of major-block `row` for query head `head` (any head in
+  // [0, H); head-independent maps answer the same for all), sorted, disjoint,
+  // adjacent runs of one kind merged.
   std::span<const BlockRun> Runs(int64_t head, int64_t row) const;
-  // Element mask of a partial tile (q block qb, kv block kvb) into
-  // out[i * ld + j]; uses the de-duplicated store for Dense masks.
+  // Element mask of tile (q block qb, kv block kvb) into out[i * ld + j],
+  // i < rows of qb, j < columns of kvb (same argument order for column maps).
+  // Copies from the de-duplicated store for planes whose mask has only Dense
+  // (and Full) leaves; otherwise evaluates the mask with FillTileMask on the
+  // tile's positions. Correct for any tile; meant for partial ones. Thread-safe
+  // (per-thread scratch), no allocation after a thread's first call.
   void FillPartial(int64_t head, int64_t qb, int64_t kvb, uint8_t* out, int64_t ld) const;
   // Tiles of each kind over all planes (for tests and accounting).
   int64_t Count(BlockKind kind) const;
   // Unique partial tile patterns stored for Dense masks (0 for structured).
   int64_t num_unique_partial_tiles() const;
-  // Bytes held by the map (O(runs + unique dense tiles)).
+  // Bytes held by the map: O(blocks + runs + unique dense tiles), plus the
+  // positions of blocks that are not arithmetic progressions, plus a tile
+  // index for de-duplicated Dense planes.
   size_t memory_bytes() const;
 
  private:
