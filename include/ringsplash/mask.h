@@ -31,8 +31,7 @@ class Mask {
   static Mask Causal(int64_t offset = 0);
   // allowed iff q_pos + offset - left <= kv_pos <= q_pos + offset + right;
   // an unset side is unbounded. left/right must be >= 0.
-  static Mask Local(std::optional<int64_t> left, std::optional<int64_t> right,
-                    int64_t offset = 0);
+  static Mask Local(std::optional<int64_t> left, std::optional<int64_t> right, int64_t offset = 0);
   // allowed iff q_pos / chunk == kv_pos / chunk and q_pos >= kv_pos; chunk > 0.
   // (Chunks are [k * chunk, (k + 1) * chunk), i.e. floor division, should a
   // position ever be negative.)
