@@ -16,6 +16,7 @@
 #endif
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -73,32 +74,36 @@ inline void GemmBlock(int64_t k, const float* a, int64_t a_rs, int64_t a_cs, con
   }
 }
 
-// Rows [0, rem) with rem < R: dispatches to the block of exactly rem rows.
+// Calls the block of exactly `rows` rows, 1 <= rows <= R.
 template <int R, int NV, ALayout L>
-inline void GemmTail(int64_t rem, int64_t k, const float* a, int64_t a_rs, int64_t a_cs,
+inline void GemmRows(int64_t rows, int64_t k, const float* a, int64_t a_rs, int64_t a_cs,
                      const float* b, int64_t ldb, float* c, int64_t ldc, const float* row_scale,
                      bool accumulate) {
   if constexpr (R > 1) {
-    if (rem == R - 1) {
-      GemmBlock<R - 1, NV, L>(k, a, a_rs, a_cs, b, ldb, c, ldc, row_scale, accumulate);
-    } else {
-      GemmTail<R - 1, NV, L>(rem, k, a, a_rs, a_cs, b, ldb, c, ldc, row_scale, accumulate);
+    if (rows < R) {
+      GemmRows<R - 1, NV, L>(rows, k, a, a_rs, a_cs, b, ldb, c, ldc, row_scale, accumulate);
+      return;
     }
   }
+  GemmBlock<R, NV, L>(k, a, a_rs, a_cs, b, ldb, c, ldc, row_scale, accumulate);
 }
 
+// One column panel (NV vectors wide) over all m rows, in ceil(m / MR) row
+// blocks of balanced height (64 rows: 9 x 6 + 2 x 5 instead of 10 x 6 + 4),
+// so no block runs with few accumulators.
 template <int MR, int NV, ALayout L>
 void GemmColumnPanel(int64_t m, int64_t k, const float* a, int64_t a_rs, int64_t a_cs,
                      const float* b, int64_t ldb, float* c, int64_t ldc, const float* row_scale,
                      bool accumulate) {
+  const int64_t blocks = (m + MR - 1) / MR;
+  if (blocks == 0) return;
+  const int64_t base = m / blocks, taller = m % blocks;  // `taller` blocks get base + 1 rows
   int64_t i = 0;
-  for (; i + MR <= m; i += MR) {
-    GemmBlock<MR, NV, L>(k, a + i * a_rs, a_rs, a_cs, b, ldb, c + i * ldc, ldc,
-                         row_scale != nullptr ? row_scale + i : nullptr, accumulate);
-  }
-  if (i < m) {
-    GemmTail<MR, NV, L>(m - i, k, a + i * a_rs, a_rs, a_cs, b, ldb, c + i * ldc, ldc,
+  for (int64_t blk = 0; blk < blocks; ++blk) {
+    const int64_t rows = base + (blk < taller ? 1 : 0);
+    GemmRows<MR, NV, L>(rows, k, a + i * a_rs, a_rs, a_cs, b, ldb, c + i * ldc, ldc,
                         row_scale != nullptr ? row_scale + i : nullptr, accumulate);
+    i += rows;
   }
 }
 
@@ -153,31 +158,44 @@ void SoftmaxForward(int64_t m, int64_t n, float* s, int64_t lds, const uint8_t* 
   const __m512 vscale = _mm512_set1_ps(scale), vcap = _mm512_set1_ps(softcap);
   const __m512 vinv = _mm512_set1_ps(capped ? 1.0f / softcap : 0.0f);
   const __m512 neg_inf = _mm512_set1_ps(kNegInf);
-  for (int64_t i = 0; i < m; ++i) {
-    float* si = s + i * lds;
-    const uint8_t* mi = mask != nullptr ? mask + i * ldm : nullptr;
-    __m512 vmax = neg_inf;
-    for (int64_t j = 0; j < n; j += 16) {
-      const __mmask16 valid = LaneMask(n - j);
-      const __mmask16 keep = mi != nullptr ? AllowedLanes(mi + j, valid) : valid;
-      __m512 x = Logit(_mm512_maskz_loadu_ps(valid, si + j), vscale, capped, vcap, vinv);
-      x = _mm512_mask_blend_ps(keep, neg_inf, x);
-      _mm512_storeu_ps(si + j, x);
-      vmax = _mm512_max_ps(vmax, x);
+  // Rows in groups of 16: the element work is vectorised along each row, the
+  // row bookkeeping (alpha = exp(old max - shift), running sums) across the
+  // group's rows, so no scalar exp per row.
+  for (int64_t i0 = 0; i0 < m; i0 += 16) {
+    alignas(64) float new_max[16], shift[16], tile_sum[16];
+    const int64_t rows = std::min<int64_t>(16, m - i0);
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t i = i0 + r;
+      float* si = s + i * lds;
+      const uint8_t* mi = mask != nullptr ? mask + i * ldm : nullptr;
+      __m512 vmax = neg_inf;
+      for (int64_t j = 0; j < n; j += 16) {
+        const __mmask16 valid = LaneMask(n - j);
+        const __mmask16 keep = mi != nullptr ? AllowedLanes(mi + j, valid) : valid;
+        __m512 x = Logit(_mm512_maskz_loadu_ps(valid, si + j), vscale, capped, vcap, vinv);
+        x = _mm512_mask_blend_ps(keep, neg_inf, x);
+        _mm512_storeu_ps(si + j, x);
+        vmax = _mm512_max_ps(vmax, x);
+      }
+      new_max[r] = std::fmax(row_max[i], ReduceMax512(vmax));
+      shift[r] = new_max[r] == kNegInf ? 0.0f : new_max[r];
+      const __m512 vshift = _mm512_set1_ps(shift[r]);
+      __m512 vsum = _mm512_setzero_ps();
+      for (int64_t j = 0; j < n; j += 16) {
+        const __m512 e = Exp512(_mm512_sub_ps(_mm512_loadu_ps(si + j), vshift));
+        _mm512_storeu_ps(si + j, e);  // lanes >= n hold -inf -> 0: the zero padding
+        vsum = _mm512_add_ps(vsum, e);
+      }
+      tile_sum[r] = ReduceAdd512(vsum);
     }
-    const float m_new = std::fmax(row_max[i], ReduceMax512(vmax));
-    const float shift = m_new == kNegInf ? 0.0f : m_new;
-    const __m512 vshift = _mm512_set1_ps(shift);
-    __m512 vsum = _mm512_setzero_ps();
-    for (int64_t j = 0; j < n; j += 16) {
-      const __m512 e = Exp512(_mm512_sub_ps(_mm512_loadu_ps(si + j), vshift));
-      _mm512_storeu_ps(si + j, e);  // lanes >= n hold -inf -> 0: the zero padding
-      vsum = _mm512_add_ps(vsum, e);
-    }
-    const float a = std::exp(row_max[i] - shift);
-    alpha[i] = a;
-    row_sum[i] = a * row_sum[i] + ReduceAdd512(vsum);
-    row_max[i] = m_new;
+    const __mmask16 live = LaneMask(rows);
+    const __m512 old_max = _mm512_maskz_loadu_ps(live, row_max + i0);
+    const __m512 a = Exp512(_mm512_sub_ps(old_max, _mm512_load_ps(shift)));
+    _mm512_mask_storeu_ps(alpha + i0, live, a);
+    const __m512 sum =
+        _mm512_fmadd_ps(a, _mm512_maskz_loadu_ps(live, row_sum + i0), _mm512_load_ps(tile_sum));
+    _mm512_mask_storeu_ps(row_sum + i0, live, sum);
+    _mm512_mask_storeu_ps(row_max + i0, live, _mm512_load_ps(new_max));
   }
 }
 
