@@ -201,7 +201,11 @@ TEST(KernelPathTest, SupportedAndResolve) {
   }
 
   unsetenv("RINGSPLASH_KERNEL");
-  EXPECT_EQ(ResolveKernelPath(KernelPath::kAuto), paths.back());
+  // kAuto: avx512_bf16 only where bf16 dot products are fast, else avx512.
+  const KernelPath best = f.avx512_bf16 && f.fast_bf16_dot ? KernelPath::kAvx512Bf16
+                          : f.avx512                       ? KernelPath::kAvx512
+                                                           : KernelPath::kPortable;
+  EXPECT_EQ(ResolveKernelPath(KernelPath::kAuto), best);
   setenv("RINGSPLASH_KERNEL", "portable", 1);
   EXPECT_EQ(ResolveKernelPath(KernelPath::kAuto), KernelPath::kPortable);
   // The environment only overrides kAuto.

@@ -26,6 +26,9 @@ uint64_t ReadXcr0() {
 CpuFeatures Detect() {
   CpuFeatures f;
   unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  if (!__get_cpuid(0, &eax, &ebx, &ecx, &edx)) return f;
+  // Vendor string "AuthenticAMD" is ebx, edx, ecx.
+  const bool amd = ebx == 0x68747541u && edx == 0x69746e65u && ecx == 0x444d4163u;
   if (!__get_cpuid(1, &eax, &ebx, &ecx, &edx)) return f;
   const bool fma = (ecx >> 12) & 1;
   const bool osxsave = (ecx >> 27) & 1;
@@ -44,6 +47,7 @@ CpuFeatures Detect() {
   if (f.avx512 && max_sub >= 1 && __get_cpuid_count(7, 1, &eax, &ebx, &ecx, &edx)) {
     f.avx512_bf16 = (eax >> 5) & 1;
   }
+  f.fast_bf16_dot = f.avx512_bf16 && amd;
   return f;
 }
 
@@ -119,7 +123,10 @@ KernelPath ResolveKernelPath(KernelPath requested) {
         return forced;
       }
     }
-    return SupportedKernelPaths().back();  // ordered slowest to fastest
+    const kernels::CpuFeatures& f = kernels::DetectCpuFeatures();
+    if (f.avx512_bf16 && f.fast_bf16_dot) return KernelPath::kAvx512Bf16;
+    if (f.avx512) return KernelPath::kAvx512;
+    return KernelPath::kPortable;
   }
   Check(kernels::Supported(requested), "kernel_path: '", KernelPathName(requested),
         "' is not supported by this CPU (supported: portable",

@@ -10,7 +10,15 @@ namespace ringsplash::kernels {
 
 struct CpuFeatures {
   bool avx512 = false;       // AVX512 F+BW+VL+DQ, FMA, F16C and OS zmm support
-  bool avx512_bf16 = false;  // avx512 and AVX512_BF16 (vdpbf16ps, vcvtne2ps2bf16)
+  bool avx512_bf16 = false;  // avx512 and AVX512_BF16 (vdpbf16ps, vcvtneps2bf16)
+  // Whether vdpbf16ps runs at (at least) the f32 FMA instruction rate, i.e.
+  // bf16 products are ~2x the f32 FLOP rate. Measured on Intel Sapphire
+  // Rapids-class Xeons: vdpbf16ps zmm issues at half the FMA rate, so its
+  // FLOP rate only equals f32 FMA and the avx512 path (bf16 widened to f32)
+  // is as fast and more accurate. On AMD Zen 4/5 it executes on the FMA pipes
+  // (assumed full rate: not measured on such a machine). kAuto prefers
+  // avx512_bf16 only when this is true.
+  bool fast_bf16_dot = false;
 };
 
 // Detected once (cpuid + xgetbv), then cached.
