@@ -3,6 +3,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <limits>
 #include <sstream>
 
 #include "ringsplash/error.h"
@@ -201,6 +203,129 @@ double MaxAbs(const std::vector<double>& v) {
   double m = 0;
   for (double x : v) m = std::max(m, std::fabs(x));
   return m;
+}
+
+OwnedInputs ConvertInputs(const OwnedInputs& in, DType dtype) {
+  auto convert = [dtype](const Tensor& t) {
+    Tensor c(dtype, t.shape());
+    CopyConvert(t.view(), c.view());
+    return c;
+  };
+  auto clone = [](const Tensor& t) {
+    if (t.data() == nullptr) return Tensor();
+    Tensor c(t.dtype(), t.shape());
+    std::memcpy(c.data(), t.data(), t.bytes());
+    return c;
+  };
+  OwnedInputs out;
+  out.q = convert(in.q);
+  out.k = convert(in.k);
+  out.v = convert(in.v);
+  out.sinks = clone(in.sinks);
+  out.q_seg = clone(in.q_seg);
+  out.kv_seg = clone(in.kv_seg);
+  out.bhsd = in.bhsd;
+  out.q_pos = in.q_pos;
+  out.kv_pos = in.kv_pos;
+  return out;
+}
+
+namespace {
+
+// An output tensor of logical shape [B, S, H, X]: C order, or stored
+// [B, H, S, X] and viewed transposed.
+struct OutputTensor {
+  Tensor storage;
+  TensorView view;
+  OutputTensor(DType dtype, const TensorView& like, bool strided) {
+    const int64_t b = like.shape[0], s = like.shape[1], h = like.shape[2], x = like.shape[3];
+    if (strided) {
+      storage = Tensor(dtype, {b, h, s, x});
+      view = storage.view().Transposed(1, 2);
+    } else {
+      storage = Tensor(dtype, {b, s, h, x});
+      view = storage.view();
+    }
+    // NaN-fill (where the dtype has NaN) so an element the API forgets to
+    // write cannot pass for a zero.
+    if (dtype != DType::kI32 && dtype != DType::kBool) {
+      const std::vector<double> nan(static_cast<size_t>(view.numel()),
+                                    std::numeric_limits<double>::quiet_NaN());
+      FromDoubles(nan, view);
+    }
+  }
+};
+
+}  // namespace
+
+ApiResult RunAttention(const OwnedInputs& owned, const AttentionOptions& opt, const Tensor* dout,
+                       const ApiRun& run) {
+  const AttentionInputs in = owned.inputs();
+  const int64_t b = in.q.shape[0], sq = in.q.shape[1], h = in.q.shape[2];
+  const int64_t dv = in.v.shape[3];
+  ApiResult r;
+  TensorView out_shape = in.q;
+  out_shape.shape[3] = dv;
+  OutputTensor out(run.out_dtype, out_shape, run.strided_outputs);
+  Tensor lse(DType::kF32, {b, h, sq});
+  FromDoubles(std::vector<double>(static_cast<size_t>(b * h * sq),
+                                  std::numeric_limits<double>::quiet_NaN()),
+              lse.view());
+  AttentionForward(in, opt, out.view, lse.view(), &r.fwd);
+  r.out = ToDoubles(out.view);
+  r.lse = ToDoubles(lse.view());
+  if (dout == nullptr) return r;
+
+  OutputTensor dq(run.grad_dtype, in.q, run.strided_outputs);
+  OutputTensor dk(run.grad_dtype, in.k, run.strided_outputs);
+  OutputTensor dvt(run.grad_dtype, in.v, run.strided_outputs);
+  Tensor dsinks;
+  if (in.sinks.defined()) {
+    dsinks = Tensor(DType::kF32, {h});
+    FromDoubles(
+        std::vector<double>(static_cast<size_t>(h), std::numeric_limits<double>::quiet_NaN()),
+        dsinks.view());
+  }
+  const TensorView dsinks_view = in.sinks.defined() ? dsinks.view() : TensorView();
+  AttentionBackward(in, opt, out.view, lse.view(), dout->view(), dq.view, dk.view, dvt.view,
+                    dsinks_view, &r.bwd);
+  r.dq = ToDoubles(dq.view);
+  r.dk = ToDoubles(dk.view);
+  r.dv = ToDoubles(dvt.view);
+  if (in.sinks.defined()) r.dsinks = ToDoubles(dsinks.view());
+  return r;
+}
+
+RefResult RunReference(const OwnedInputs& owned, const AttentionOptions& opt, const Tensor* dout) {
+  const RefProblem p = MakeRefProblem(owned.inputs(), opt);
+  RefResult r;
+  r.fwd = ReferenceForward(p);
+  if (dout != nullptr) r.bwd = ReferenceBackward(p, ToDoubles(dout->view()));
+  return r;
+}
+
+std::string Errors::Describe() const {
+  std::ostringstream os;
+  os << "out " << out << ", lse " << lse << ", dq " << dq << ", dk " << dk << ", dv " << dv
+     << ", dsinks " << dsinks;
+  return os.str();
+}
+
+Errors ErrorsOf(const ApiResult& api, const RefResult& ref) {
+  Errors e;
+  e.out = Compare(api.out, ref.fwd.out).Relative();
+  e.lse = Compare(api.lse, ref.fwd.lse).Relative(1.0);
+  if (!ref.bwd.dq.empty() || !api.dq.empty()) {
+    e.dq = Compare(api.dq, ref.bwd.dq).Relative();
+    e.dk = Compare(api.dk, ref.bwd.dk).Relative();
+    e.dv = Compare(api.dv, ref.bwd.dv).Relative();
+    e.dsinks = Compare(api.dsinks, ref.bwd.dsinks).Relative();
+  }
+  return e;
+}
+
+bool HasNaN(const std::vector<double>& v) {
+  return std::any_of(v.begin(), v.end(), [](double x) { return std::isnan(x); });
 }
 
 double RoundToBF16(double x) { return BF16ToF32(F32ToBF16(static_cast<float>(x))); }

@@ -55,6 +55,10 @@ struct OwnedInputs {
 
 // Sizes and contents of a random problem.
 struct ProblemSpec {
+  ProblemSpec() = default;
+  ProblemSpec(int64_t b_, int64_t sq_, int64_t skv_, int64_t h_, int64_t hkv_, int64_t d_,
+              int64_t dv_)
+      : b(b_), sq(sq_), skv(skv_), h(h_), hkv(hkv_), d(d_), dv(dv_) {}
   int64_t b = 1, sq = 16, skv = 16, h = 2, hkv = 2, d = 16, dv = 16;
   DType dtype = DType::kF32;
   bool sinks = false;
@@ -78,6 +82,51 @@ struct Comparison {
 Comparison Compare(const std::vector<double>& actual, const std::vector<double>& expected);
 
 double MaxAbs(const std::vector<double>& v);
+
+// ---- Running the public API and the reference on one problem ----
+
+// A copy of `in` with q/k/v converted to `dtype` (same layout); sinks,
+// segments and positions copied unchanged.
+OwnedInputs ConvertInputs(const OwnedInputs& in, DType dtype);
+
+// How RunAttention allocates the caller's outputs.
+struct ApiRun {
+  DType out_dtype = DType::kF32;   // out (and dout is whatever the caller made)
+  DType grad_dtype = DType::kF32;  // dq, dk, dv
+  // Store out/dq/dk/dv as [B, H, S, D] and pass [B, S, H, D] strided views.
+  bool strided_outputs = false;
+};
+
+// Everything an API call produced, as doubles in C order of the logical
+// shapes (out [B,Sq,H,Dv], lse [B,H,Sq], dq/dk/dv shapes of q/k/v, dsinks [H]).
+struct ApiResult {
+  std::vector<double> out, lse, dq, dk, dv, dsinks;
+  KernelStats fwd, bwd;
+};
+
+// AttentionForward, then (if dout is given) AttentionBackward with the
+// forward's own out and lse.
+ApiResult RunAttention(const OwnedInputs& in, const AttentionOptions& opt, const Tensor* dout,
+                       const ApiRun& run = {});
+
+struct RefResult {
+  RefForward fwd;
+  RefBackward bwd;  // empty without dout
+};
+// The f64 reference on exactly the values the API saw (inputs as stored,
+// dout as stored).
+RefResult RunReference(const OwnedInputs& in, const AttentionOptions& opt, const Tensor* dout);
+
+// Per-tensor errors relative to the largest expected magnitude (lse: to
+// max(1, max |lse|)); +inf for a NaN or a mismatched infinity.
+struct Errors {
+  double out = 0, lse = 0, dq = 0, dk = 0, dv = 0, dsinks = 0;
+  std::string Describe() const;
+};
+Errors ErrorsOf(const ApiResult& api, const RefResult& ref);
+
+// True iff any value is NaN.
+bool HasNaN(const std::vector<double>& v);
 
 // Rounds through the given storage dtype (f32, bf16 or f16).
 double RoundTo(DType dtype, double x);

@@ -1,0 +1,361 @@
+// Every argument check of the single-device API (attention.h), table-driven:
+// each case breaks one thing in an otherwise valid call and expects an Error
+// whose message names the argument, says what was expected and what was
+// given. Input/option checks must read the same from ValidateAttentionInputs,
+// AttentionForward and AttentionBackward (the ring and CLI rely on that).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <functional>
+#include <limits>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "ringsplash/attention.h"
+#include "ringsplash/error.h"
+#include "tests/support/test_util.h"
+
+namespace ringsplash::testing {
+namespace {
+
+// A valid call: B=2, Sq=8, Skv=16, H=4, Hkv=2, D=16, Dv=8, f32, with sinks
+// and segments; every view can be replaced by a case.
+struct Call {
+  OwnedInputs owned;
+  AttentionInputs in;
+  AttentionOptions opt;
+  Tensor out_t, lse_t, dout_t, dq_t, dk_t, dv_t, dsinks_t;
+  TensorView out, lse, dout, dq, dk, dv, dsinks;
+  std::vector<Tensor> keep;  // storage for replacement tensors
+
+  Call() {
+    Rng rng(1);
+    ProblemSpec spec(2, 8, 16, 4, 2, 16, 8);
+    spec.sinks = true;
+    spec.segments = true;
+    owned = RandomInputs(rng, spec);
+    in = owned.inputs();
+    opt.block_sizes = {16, 16};
+    out_t = Tensor(DType::kF32, {2, 8, 4, 8});
+    lse_t = Tensor(DType::kF32, {2, 4, 8});
+    dout_t = RandomTensor(rng, DType::kF32, {2, 8, 4, 8});
+    dq_t = Tensor(DType::kF32, {2, 8, 4, 16});
+    dk_t = Tensor(DType::kF32, {2, 16, 2, 16});
+    dv_t = Tensor(DType::kF32, {2, 16, 2, 8});
+    dsinks_t = Tensor(DType::kF32, {4});
+    out = out_t.view();
+    lse = lse_t.view();
+    dout = dout_t.view();
+    dq = dq_t.view();
+    dk = dk_t.view();
+    dv = dv_t.view();
+    dsinks = dsinks_t.view();
+  }
+  // A zero tensor kept alive for the call's lifetime.
+  TensorView Make(DType dtype, std::vector<int64_t> shape) {
+    keep.emplace_back(dtype, std::move(shape));
+    return keep.back().view();
+  }
+};
+
+enum class Where { kInputs, kForwardOutputs, kBackwardOnly };
+
+struct ErrorCase {
+  std::string name;
+  Where where;
+  std::function<void(Call&)> breaker;
+  std::vector<std::string> must_contain;  // the argument name comes first
+};
+void PrintTo(const ErrorCase& c, std::ostream* os) { *os << c.name; }
+
+std::string MessageOf(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const Error& e) {
+    return e.what();
+  } catch (const std::exception& e) {
+    return std::string("NOT A ringsplash::Error: ") + e.what();
+  }
+  return "NO ERROR";
+}
+
+std::vector<ErrorCase> Cases() {
+  using W = Where;
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  const float inf = std::numeric_limits<float>::infinity();
+  std::vector<ErrorCase> c;
+  auto add = [&c](std::string name, W w, std::function<void(Call&)> f, std::vector<std::string> m) {
+    c.push_back({std::move(name), w, std::move(f), std::move(m)});
+  };
+  // q
+  add("q_3d", W::kInputs,
+      [](Call& x) {
+        x.in.q = x.Make(DType::kF32, {2, 8, 64});
+      },
+      {"q:", "[2, 8, 64] f32"});
+  add("q_null", W::kInputs, [](Call& x) { x.in.q.data = nullptr; }, {"q:", "null"});
+  add("q_i32", W::kInputs, [](Call& x) { x.in.q.dtype = DType::kI32; }, {"q:", "i32"});
+  add("q_head_dim_300", W::kInputs,
+      [](Call& x) {
+        x.in.q = x.Make(DType::kF32, {2, 8, 4, 300});
+      },
+      {"q:", "1..256", "300"});
+  add("q_negative_stride", W::kInputs, [](Call& x) { x.in.q.stride[1] = -64; },
+      {"q:", "stride", "-64"});
+  add("q_zero_size", W::kInputs, [](Call& x) { x.in.q.shape[1] = 0; }, {"q:", "positive"});
+  // k
+  add("k_batch", W::kInputs,
+      [](Call& x) {
+        x.in.k = x.Make(DType::kF32, {3, 16, 2, 16});
+      },
+      {"k:", "B=2", "[3, 16, 2, 16]"});
+  add("k_head_dim", W::kInputs,
+      [](Call& x) {
+        x.in.k = x.Make(DType::kF32, {2, 16, 2, 8});
+      },
+      {"k:", "D=16", "[2, 16, 2, 8]"});
+  add("k_heads_not_dividing", W::kInputs,
+      [](Call& x) {
+        x.in.k = x.Make(DType::kF32, {2, 16, 3, 16});
+      },
+      {"k:", "Hkv dividing H=4", "[2, 16, 3, 16] f32"});
+  add("k_dtype", W::kInputs, [](Call& x) { x.in.k.dtype = DType::kBF16; }, {"k:", "f32", "bf16"});
+  add("k_4d_expected", W::kInputs,
+      [](Call& x) {
+        x.in.k = x.Make(DType::kF32, {2, 16, 32});
+      },
+      {"k:", "4 dims"});
+  // v
+  add("v_seq", W::kInputs,
+      [](Call& x) {
+        x.in.v = x.Make(DType::kF32, {2, 15, 2, 8});
+      },
+      {"v:", "Skv=16", "[2, 15, 2, 8]"});
+  add("v_heads", W::kInputs,
+      [](Call& x) {
+        x.in.v = x.Make(DType::kF32, {2, 16, 1, 8});
+      },
+      {"v:", "Hkv=2"});
+  add("v_dim_300", W::kInputs,
+      [](Call& x) {
+        x.in.v = x.Make(DType::kF32, {2, 16, 2, 300});
+      },
+      {"v:", "1..256", "300"});
+  add("v_dtype", W::kInputs, [](Call& x) { x.in.v.dtype = DType::kF16; }, {"v:", "f16"});
+  // sinks
+  add("sinks_shape", W::kInputs, [](Call& x) { x.in.sinks = x.Make(DType::kF32, {3}); },
+      {"sinks:", "[H=4] f32", "[3] f32"});
+  add("sinks_dtype", W::kInputs, [](Call& x) { x.in.sinks = x.Make(DType::kBF16, {4}); },
+      {"sinks:", "bf16"});
+  add("sinks_2d", W::kInputs,
+      [](Call& x) {
+        x.in.sinks = x.Make(DType::kF32, {4, 1});
+      },
+      {"sinks:"});
+  // segments
+  add("only_q_segments", W::kInputs, [](Call& x) { x.in.kv_segments = TensorView(); },
+      {"kv_segments:", "both"});
+  add("only_kv_segments", W::kInputs, [](Call& x) { x.in.q_segments = TensorView(); },
+      {"q_segments:", "both"});
+  add("q_segments_dtype", W::kInputs, [](Call& x) { x.in.q_segments.dtype = DType::kF32; },
+      {"q_segments:", "i32", "f32"});
+  add("q_segments_shape", W::kInputs,
+      [](Call& x) {
+        x.in.q_segments = x.Make(DType::kI32, {2, 9});
+      },
+      {"q_segments:", "Sq=8", "[2, 9]"});
+  add("kv_segments_shape", W::kInputs,
+      [](Call& x) {
+        x.in.kv_segments = x.Make(DType::kI32, {1, 16});
+      },
+      {"kv_segments:", "B=2", "[1, 16]"});
+  // positions
+  add("q_positions_length", W::kInputs,
+      [](Call& x) {
+        x.in.q_positions = {0, 1, 2};
+      },
+      {"q_positions:", "8", "3"});
+  add("q_positions_negative", W::kInputs,
+      [](Call& x) { x.in.q_positions = {0, 1, 2, 3, 4, 5, 6, -7}; },
+      {"q_positions:", "non-negative", "-7"});
+  add("kv_positions_length", W::kInputs,
+      [](Call& x) { x.in.kv_positions = std::vector<int64_t>(17, 0); },
+      {"kv_positions:", "16", "17"});
+  // mask
+  add("mask_per_head_count", W::kInputs,
+      [](Call& x) {
+        x.opt.mask = Mask::PerHead({Mask::Causal(), Mask::Causal(), Mask::Full()});
+      },
+      {"mask:", "H=4", "3 heads"});
+  add("mask_dense_heads", W::kInputs,
+      [](Call& x) { x.opt.mask = Mask::Dense(std::vector<uint8_t>(2 * 8 * 16, 1), 2, 8, 16); },
+      {"mask:", "H=4", "2 heads"});
+  add("mask_dense_too_small", W::kInputs,
+      [](Call& x) { x.opt.mask = Mask::Dense(std::vector<uint8_t>(8 * 10, 1), 0, 8, 10); },
+      {"mask:", "dense", "15", "[8, 10]"});
+  add("mask_dense_vs_positions", W::kInputs,
+      [](Call& x) {
+        x.opt.mask = Mask::Dense(std::vector<uint8_t>(16 * 16, 1), 0, 16, 16);
+        x.in.q_positions = {10, 11, 12, 13, 14, 15, 16, 17};
+      },
+      {"mask:", "17", "[16, 16]"});
+  // options
+  add("softcap_zero", W::kInputs, [](Call& x) { x.opt.softcap = 0.0f; }, {"softcap:", "> 0"});
+  add("softcap_negative", W::kInputs, [](Call& x) { x.opt.softcap = -1.0f; }, {"softcap:", "-1"});
+  add("softcap_inf", W::kInputs, [inf](Call& x) { x.opt.softcap = inf; }, {"softcap:", "inf"});
+  add("softcap_nan", W::kInputs, [nan](Call& x) { x.opt.softcap = nan; }, {"softcap:", "nan"});
+  add("scale_inf", W::kInputs, [inf](Call& x) { x.opt.scale = -inf; }, {"scale:", "finite"});
+  add("scale_nan", W::kInputs, [nan](Call& x) { x.opt.scale = nan; }, {"scale:", "nan"});
+  add("block_q_zero", W::kInputs, [](Call& x) { x.opt.block_sizes.q = 0; },
+      {"block_sizes.q:", "multiple of 16", "0"});
+  add("block_q_24", W::kInputs, [](Call& x) { x.opt.block_sizes.q = 24; },
+      {"block_sizes.q:", "24"});
+  add("block_q_negative", W::kInputs, [](Call& x) { x.opt.block_sizes.q = -16; },
+      {"block_sizes.q:", "-16"});
+  add("block_kv_8", W::kInputs, [](Call& x) { x.opt.block_sizes.kv = 8; },
+      {"block_sizes.kv:", "8"});
+  add("num_threads_negative", W::kInputs, [](Call& x) { x.opt.num_threads = -2; },
+      {"num_threads:", "-2"});
+  // forward outputs
+  add("out_shape", W::kForwardOutputs,
+      [](Call& x) {
+        x.out = x.Make(DType::kF32, {2, 8, 4, 16});
+      },
+      {"out:", "Dv=8", "[2, 8, 4, 16]"});
+  add("out_dtype", W::kForwardOutputs,
+      [](Call& x) {
+        x.out = x.Make(DType::kBF16, {2, 8, 4, 8});
+      },
+      {"out:", "f32", "bf16"});
+  add("out_i32", W::kForwardOutputs, [](Call& x) { x.out.dtype = DType::kI32; }, {"out:", "i32"});
+  add("out_null", W::kForwardOutputs, [](Call& x) { x.out.data = nullptr; }, {"out:", "null"});
+  add("lse_shape", W::kForwardOutputs,
+      [](Call& x) {
+        x.lse = x.Make(DType::kF32, {2, 8, 4});
+      },
+      {"lse:", "[B=2, H=4, Sq=8] f32", "[2, 8, 4]"});
+  add("lse_dtype", W::kForwardOutputs,
+      [](Call& x) {
+        x.lse = x.Make(DType::kBF16, {2, 4, 8});
+      },
+      {"lse:", "bf16"});
+  add("lse_negative_stride", W::kForwardOutputs, [](Call& x) { x.lse.stride[2] = -1; },
+      {"lse:", "stride"});
+  // backward-only arguments
+  add("dout_shape", W::kBackwardOnly,
+      [](Call& x) {
+        x.dout = x.Make(DType::kF32, {2, 8, 4, 9});
+      },
+      {"dout:", "shape of out", "[2, 8, 4, 9]"});
+  add("dout_dtype", W::kBackwardOnly, [](Call& x) { x.dout.dtype = DType::kBF16; },
+      {"dout:", "bf16"});
+  add("dq_shape", W::kBackwardOnly,
+      [](Call& x) {
+        x.dq = x.Make(DType::kF32, {2, 8, 4, 8});
+      },
+      {"dq:", "shape of q", "[2, 8, 4, 8]"});
+  add("dk_shape", W::kBackwardOnly,
+      [](Call& x) {
+        x.dk = x.Make(DType::kF32, {2, 16, 4, 16});
+      },
+      {"dk:", "shape of k"});
+  add("dv_shape", W::kBackwardOnly,
+      [](Call& x) {
+        x.dv = x.Make(DType::kF32, {2, 16, 2, 16});
+      },
+      {"dv:", "shape of v"});
+  add("dq_dtype", W::kBackwardOnly, [](Call& x) { x.dq.dtype = DType::kI32; }, {"dq:", "i32"});
+  add("dv_null", W::kBackwardOnly, [](Call& x) { x.dv.data = nullptr; }, {"dv:", "null"});
+  add("dsinks_missing", W::kBackwardOnly, [](Call& x) { x.dsinks = TensorView(); },
+      {"dsinks:", "[H=4] f32"});
+  add("dsinks_shape", W::kBackwardOnly, [](Call& x) { x.dsinks = x.Make(DType::kF32, {2}); },
+      {"dsinks:", "[2] f32"});
+  add("dsinks_without_sinks", W::kBackwardOnly, [](Call& x) { x.in.sinks = TensorView(); },
+      {"dsinks:", "no sinks"});
+  return c;
+}
+
+class ErrorTest : public ::testing::TestWithParam<ErrorCase> {};
+
+TEST_P(ErrorTest, NamesTheArgument) {
+  const ErrorCase& ec = GetParam();
+  Call call;
+  ec.breaker(call);
+  std::vector<std::pair<std::string, std::string>> messages;
+  if (ec.where == Where::kInputs) {
+    messages.emplace_back("ValidateAttentionInputs",
+                          MessageOf([&] { ValidateAttentionInputs(call.in, call.opt); }));
+  }
+  if (ec.where != Where::kBackwardOnly) {
+    messages.emplace_back("AttentionForward", MessageOf([&] {
+                            AttentionForward(call.in, call.opt, call.out, call.lse);
+                          }));
+  }
+  messages.emplace_back("AttentionBackward", MessageOf([&] {
+                          AttentionBackward(call.in, call.opt, call.out, call.lse, call.dout,
+                                            call.dq, call.dk, call.dv, call.dsinks);
+                        }));
+  for (const auto& [entry, msg] : messages) {
+    SCOPED_TRACE(entry + ": " + msg);
+    // The message starts with the argument's name.
+    EXPECT_EQ(msg.rfind(ec.must_contain.front(), 0), 0u);
+    for (const std::string& part : ec.must_contain) EXPECT_NE(msg.find(part), std::string::npos);
+    EXPECT_NE(msg.find("expected"), std::string::npos);
+    EXPECT_EQ(msg, messages.front().second);  // every entry point says the same
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, ErrorTest, ::testing::ValuesIn(Cases()),
+                         [](const auto& info) { return info.param.name; });
+
+TEST(ErrorTest, ValidCallPasses) {
+  Call call;
+  EXPECT_NO_THROW(ValidateAttentionInputs(call.in, call.opt));
+  EXPECT_NO_THROW(AttentionForward(call.in, call.opt, call.out, call.lse));
+  EXPECT_NO_THROW(AttentionBackward(call.in, call.opt, call.out, call.lse, call.dout, call.dq,
+                                    call.dk, call.dv, call.dsinks));
+}
+
+// Outputs may be f32 when the inputs are bf16 (and vice versa is refused).
+TEST(ErrorTest, Bf16InputsAcceptF32OrBf16Outputs) {
+  Call call;
+  const OwnedInputs bf = ConvertInputs(call.owned, DType::kBF16);
+  call.in = bf.inputs();
+  EXPECT_NO_THROW(AttentionForward(call.in, call.opt, call.out, call.lse));
+  Tensor out_bf(DType::kBF16, {2, 8, 4, 8});
+  EXPECT_NO_THROW(AttentionForward(call.in, call.opt, out_bf.view(), call.lse));
+  Tensor out_f16(DType::kF16, {2, 8, 4, 8});
+  const std::string msg =
+      MessageOf([&] { AttentionForward(call.in, call.opt, out_f16.view(), call.lse); });
+  EXPECT_NE(msg.find("out: expected dtype bf16 (the dtype of q) or f32"), std::string::npos) << msg;
+}
+
+// Forcing a kernel path through the environment: an unknown name is an Error
+// naming the variable (kAuto reads RINGSPLASH_KERNEL).
+TEST(ErrorTest, BadKernelEnvironmentIsAnError) {
+  Call call;
+  ASSERT_EQ(setenv("RINGSPLASH_KERNEL", "sse2", 1), 0);
+  const std::string msg = MessageOf([&] { ValidateAttentionInputs(call.in, call.opt); });
+  unsetenv("RINGSPLASH_KERNEL");
+  EXPECT_NE(msg.find("RINGSPLASH_KERNEL"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("sse2"), std::string::npos) << msg;
+}
+
+// A path this CPU lacks is refused by name (only testable where one is missing).
+TEST(ErrorTest, UnsupportedKernelPathIsAnError) {
+  const std::vector<KernelPath> ok = SupportedKernelPaths();
+  for (KernelPath p : {KernelPath::kAvx512, KernelPath::kAvx512Bf16}) {
+    if (std::find(ok.begin(), ok.end(), p) != ok.end()) continue;
+    Call call;
+    call.opt.kernel_path = p;
+    const std::string msg = MessageOf([&] { ValidateAttentionInputs(call.in, call.opt); });
+    EXPECT_EQ(msg.rfind("kernel_path:", 0), 0u) << msg;
+    return;
+  }
+  GTEST_SKIP() << "every kernel path is supported on this CPU";
+}
+
+}  // namespace
+}  // namespace ringsplash::testing
