@@ -1,0 +1,221 @@
+// The command's front door: --version, help, `bench` JSON and `demo`.
+#include <gtest/gtest.h>
+
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "tests/cli/cli_test_util.h"
+
+namespace ringsplash::testing {
+namespace {
+
+std::vector<nlohmann::json> JsonLines(const std::string& text) {
+  std::vector<nlohmann::json> lines;
+  std::istringstream in(text);
+  std::string line;
+  while (std::getline(in, line)) {
+    if (!line.empty()) lines.push_back(nlohmann::json::parse(line));
+  }
+  return lines;
+}
+
+TEST(Cli, VersionAndHelp) {
+  CommandResult r = RunCli({"--version"});
+  EXPECT_EQ(r.status, 0);
+  EXPECT_EQ(r.out.rfind("ringsplash ", 0), 0u) << r.out;
+
+  r = RunCli({});  // no subcommand: the help
+  EXPECT_EQ(r.status, 0);
+  for (const char* word : {"attend", "bench", "demo"}) {
+    EXPECT_NE(r.out.find(word), std::string::npos) << r.out;
+  }
+  for (const char* sub : {"attend", "bench", "demo"}) {
+    r = RunCli({sub, "--help"});
+    EXPECT_EQ(r.status, 0) << sub;
+    EXPECT_NE(r.out.find("--"), std::string::npos) << sub;
+  }
+  r = RunCli({"attend", "--help"});
+  for (const char* flag : {"--dense-mask", "--q-segments", "--dsinks", "--layout", "--backend",
+                           "--comm-timeout", "--threads-per-rank", "--softcap"}) {
+    EXPECT_NE(r.out.find(flag), std::string::npos) << flag;
+  }
+}
+
+// Allowed pairs counted here by brute force over every (q, kv) pair — the
+// check on `flops`, which bench counts from the block map.
+double BruteForcePairs(int64_t sq, int64_t skv, bool (*allowed)(int64_t, int64_t)) {
+  double n = 0;
+  for (int64_t i = 0; i < sq; ++i)
+    for (int64_t j = 0; j < skv; ++j) n += allowed(i, j);
+  return n;
+}
+
+TEST(Cli, BenchCheckEmitsOneJsonObjectPerSeqWithAllFields) {
+  const CommandResult r = RunCli({"bench",
+                                  "--seq",
+                                  "192,384",
+                                  "--heads",
+                                  "4",
+                                  "--kv-heads",
+                                  "2",
+                                  "--head-dim",
+                                  "16",
+                                  "--v-head-dim",
+                                  "8",
+                                  "--mask",
+                                  "causal & local:100,",
+                                  "--ranks",
+                                  "2",
+                                  "--layout",
+                                  "zigzag",
+                                  "--pass",
+                                  "fwdbwd",
+                                  "--threads-per-rank",
+                                  "1",
+                                  "--warmup",
+                                  "0",
+                                  "--iters",
+                                  "2",
+                                  "--check",
+                                  "--block-q",
+                                  "32",
+                                  "--block-kv",
+                                  "32"},
+                                 300);
+  ASSERT_EQ(r.status, 0) << r.err;
+  const std::vector<nlohmann::json> lines = JsonLines(r.out);
+  ASSERT_EQ(lines.size(), 2u) << r.out;
+  const int64_t seqs[] = {192, 384};
+  for (size_t i = 0; i < lines.size(); ++i) {
+    const nlohmann::json& j = lines[i];
+    SCOPED_TRACE(j.dump());
+    for (const char* f :
+         {"config", "seconds", "flops", "gflops", "peak_gflops", "fraction_of_peak",
+          "computed_blocks", "skipped_blocks", "compute_seconds", "comm_wait_seconds", "imbalance",
+          "max_rel_err", "kernel_flops", "rank_flops", "peak_method"}) {
+      EXPECT_TRUE(j.contains(f)) << f;
+    }
+    const nlohmann::json& c = j["config"];
+    EXPECT_EQ(c["seq"], seqs[i]);
+    EXPECT_EQ(c["q_seq"], seqs[i]);
+    EXPECT_EQ(c["ranks"], 2);
+    EXPECT_EQ(c["heads"], 4);
+    EXPECT_EQ(c["kv_heads"], 2);
+    EXPECT_EQ(c["pass"], "fwdbwd");
+    EXPECT_EQ(c["layout"], "zigzag");
+    EXPECT_EQ(c["mask"], "causal & local:100,");
+    EXPECT_EQ(j["compute_seconds"].size(), 2u);
+    EXPECT_EQ(j["comm_wait_seconds"].size(), 2u);
+    EXPECT_GT(j["seconds"].get<double>(), 0);
+    EXPECT_GT(j["peak_gflops"].get<double>(), 0);
+    EXPECT_GE(j["imbalance"].get<double>(), 1.0);
+    EXPECT_GT(j["computed_blocks"].get<int64_t>(), 0);
+    EXPECT_GT(j["skipped_blocks"].get<int64_t>(), 0);  // the window skips far tiles
+    // The ring equals the single-device kernel to f32 rounding (sampled rows
+    // over <= 384 keys: ~1e-6); 1e-4 catches any real error (O(1)).
+    EXPECT_LT(j["max_rel_err"].get<double>(), 1e-4);
+    // flops = 3.5 (fwd+bwd) * 2 * B * (D + Dv) * H * pairs.
+    const double pairs = BruteForcePairs(
+        seqs[i], seqs[i], [](int64_t q, int64_t k) { return q >= k && k >= q - 100; });
+    EXPECT_DOUBLE_EQ(j["flops"].get<double>(), 3.5 * 2 * 1 * (16 + 8) * 4 * pairs);
+    EXPECT_NEAR(j["gflops"].get<double>(),
+                j["flops"].get<double>() / j["seconds"].get<double>() / 1e9,
+                1e-9 * j["gflops"].get<double>());
+  }
+}
+
+TEST(Cli, BenchSingleDeviceDefaultsAndBf16) {
+  const CommandResult r = RunCli({"bench", "--seq", "256", "--heads", "2", "--head-dim", "32",
+                                  "--dtype", "bf16", "--iters", "1", "--warmup", "0", "--check"},
+                                 300);
+  ASSERT_EQ(r.status, 0) << r.err;
+  const std::vector<nlohmann::json> lines = JsonLines(r.out);
+  ASSERT_EQ(lines.size(), 1u);
+  const nlohmann::json& j = lines[0];
+  EXPECT_EQ(j["config"]["ranks"], 1);
+  EXPECT_EQ(j["config"]["dtype"], "bf16");
+  EXPECT_EQ(j["config"]["mask"], "full");
+  EXPECT_EQ(j["config"]["pass"], "fwd");
+  EXPECT_EQ(j["config"]["v_head_dim"], 32);
+  // Full mask: every pair; forward only.
+  EXPECT_DOUBLE_EQ(j["flops"].get<double>(), 2.0 * (32 + 32) * 2 * 256.0 * 256.0);
+  EXPECT_EQ(j["skipped_blocks"], 0);
+  // Same bf16 inputs on both sides, different tilings: bf16 rounding of
+  // probabilities only (see demo.cc), well under 3e-2.
+  EXPECT_LT(j["max_rel_err"].get<double>(), 3e-2);
+}
+
+TEST(Cli, DemoPrintsItsTableAndPasses) {
+  const CommandResult r = RunCli({"demo", "--seq", "512"}, 300);
+  ASSERT_EQ(r.status, 0) << r.err << r.out;
+  for (const char* word : {"ringsplash demo", "4 ranks", "zigzag", "GQA 4:1", "causal", "GFLOP/s",
+                           "of peak", "comm wait", "balance", "PASS"}) {
+    EXPECT_NE(r.out.find(word), std::string::npos) << word << "\n" << r.out;
+  }
+  // One table row per rank.
+  for (int rank = 0; rank < 4; ++rank) {
+    EXPECT_NE(r.out.find("\n     " + std::to_string(rank) + "  "), std::string::npos) << r.out;
+  }
+  EXPECT_EQ(r.err, "");
+}
+
+TEST(Cli, DemoJson) {
+  const CommandResult r =
+      RunCli({"demo", "--seq", "256", "--ranks", "2", "--layout", "striped", "--json"}, 300);
+  ASSERT_EQ(r.status, 0) << r.err << r.out;
+  const nlohmann::json j = nlohmann::json::parse(r.out);
+  EXPECT_EQ(j["config"]["ranks"], 2);
+  EXPECT_EQ(j["config"]["layout"], "striped");
+  EXPECT_EQ(j["config"]["pass"], "fwdbwd");
+  EXPECT_EQ(j["check"]["pass"], true);
+  for (const char* t : {"out", "lse", "dq", "dk", "dv"}) {
+    EXPECT_TRUE(j["check"]["rel_err"].contains(t)) << t;
+  }
+}
+
+TEST(Cli, BenchUnderMpi) {
+#ifndef RINGSPLASH_MPIEXEC
+  GTEST_SKIP() << "built without MPI";
+#else
+  setenv("OMPI_ALLOW_RUN_AS_ROOT", "1", 1);
+  setenv("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1", 1);
+  const CommandResult r = RunCommand({RINGSPLASH_MPIEXEC,
+                                      "--oversubscribe",
+                                      "-np",
+                                      "2",
+                                      RINGSPLASH_CLI,
+                                      "bench",
+                                      "--backend",
+                                      "mpi",
+                                      "--seq",
+                                      "128",
+                                      "--heads",
+                                      "2",
+                                      "--head-dim",
+                                      "16",
+                                      "--mask",
+                                      "causal",
+                                      "--pass",
+                                      "fwdbwd",
+                                      "--threads-per-rank",
+                                      "1",
+                                      "--iters",
+                                      "1",
+                                      "--warmup",
+                                      "0",
+                                      "--check"},
+                                     180);
+  ASSERT_EQ(r.status, 0) << r.err;
+  const std::vector<nlohmann::json> lines = JsonLines(r.out);
+  ASSERT_EQ(lines.size(), 1u) << r.out;  // rank 0 only
+  EXPECT_EQ(lines[0]["config"]["backend"], "mpi");
+  EXPECT_EQ(lines[0]["config"]["ranks"], 2);
+  EXPECT_EQ(lines[0]["compute_seconds"].size(), 2u);
+  EXPECT_LT(lines[0]["max_rel_err"].get<double>(), 1e-4);
+#endif
+}
+
+}  // namespace
+}  // namespace ringsplash::testing

@@ -1,0 +1,337 @@
+// `ringsplash attend`: reads .npy inputs, runs attention on one device, a
+// ring of threads or an MPI ring, and writes .npy outputs atomically.
+#include "tools/attend.h"
+
+#include <unistd.h>
+
+#include <CLI/CLI.hpp>
+#include <memory>
+#include <span>
+
+#include "ringsplash/attention.h"
+#include "ringsplash/comm.h"
+#include "ringsplash/error.h"
+#include "ringsplash/ring.h"
+#include "tools/attend_inputs.h"
+#include "tools/cli_common.h"
+#include "tools/npy.h"
+#include "tools/pending_outputs.h"
+#include "tools/progress.h"
+
+namespace ringsplash::cli {
+namespace {
+
+constexpr char kProgressPrefix[] = "ringsplash attend";
+
+// Results of one run, global (threads) or this rank's shard (MPI); all f32.
+struct Results {
+  Tensor out, lse, dq, dk, dv, dsinks;
+  const Tensor& For(const std::string& flag) const {
+    if (flag == "--out") return out;
+    if (flag == "--lse") return lse;
+    if (flag == "--dq") return dq;
+    if (flag == "--dk") return dk;
+    if (flag == "--dv") return dv;
+    return dsinks;
+  }
+};
+
+// Allocates results for q/k/v shards of `nq` and `nkv` rows.
+Results AllocateResults(const Dims& d, int64_t nq, int64_t nkv, bool backward, bool sinks) {
+  Results r;
+  r.out = Tensor(DType::kF32, {d.b, nq, d.h, d.dv});
+  r.lse = Tensor(DType::kF32, {d.b, d.h, nq});
+  if (backward) {
+    r.dq = Tensor(DType::kF32, {d.b, nq, d.h, d.d});
+    r.dk = Tensor(DType::kF32, {d.b, nkv, d.hkv, d.d});
+    r.dv = Tensor(DType::kF32, {d.b, nkv, d.hkv, d.dv});
+    if (sinks) r.dsinks = Tensor(DType::kF32, {d.h});
+  }
+  return r;
+}
+
+AttentionOptions MakeAttentionOptions(const AttendArgs& args, const Mask& mask) {
+  AttentionOptions opt;
+  opt.mask = mask;
+  if (args.scale) opt.scale = static_cast<float>(*args.scale);
+  if (args.softcap) opt.softcap = static_cast<float>(*args.softcap);
+  opt.num_threads = args.threads_per_rank;
+  return opt;
+}
+
+TensorView ViewOrEmpty(const Tensor& t) { return t.data() ? t.view() : TensorView{}; }
+
+// Writes rows of a local [batch, n, inner] f32 buffer into a global
+// [batch, seq, inner] file at global rows `pos` (increasing); consecutive
+// positions coalesce into one write.
+void WriteRows(npy::NpyOutputFile& file, const float* local, int64_t batch, int64_t seq,
+               std::span<const int64_t> pos, int64_t inner) {
+  const int64_t n = static_cast<int64_t>(pos.size());
+  for (int64_t b = 0; b < batch; ++b) {
+    for (int64_t i = 0; i < n;) {
+      int64_t j = i + 1;
+      while (j < n && pos[j] == pos[j - 1] + 1) ++j;
+      file.Write((b * seq + pos[i]) * inner, local + (b * n + i) * inner, (j - i) * inner);
+      i = j;
+    }
+  }
+}
+
+void RunAttendThreads(const AttendArgs& args, const AttendPlan& plan) {
+  Progress progress(kProgressPrefix, true);
+  progress.Phase("reading inputs");
+  const int ranks = args.ranks == 0 ? 1 : args.ranks;
+  AttendFiles files = OpenInputs(args, plan);
+  CheckDivisible(files, plan.layout, ranks);
+  const Mask mask = BuildMask(files, plan);
+  const Dims& d = files.dims;
+
+  // Create every output first, so an unwritable destination fails before
+  // the compute rather than after it.
+  PendingOutputs pending(static_cast<uint64_t>(::getpid()), /*owner=*/true);
+  const std::vector<OutputSpec> specs = PlanOutputs(args, d);
+  std::vector<npy::NpyOutputFile> files_out;
+  for (const OutputSpec& s : specs) {
+    files_out.push_back(
+        npy::NpyOutputFile::Create(pending.Add(s.path), npy::NpyType::kF32, s.shape));
+  }
+
+  const Tensor q = files.q.Load(plan.dtype, "q");
+  const Tensor k = files.k.Load(plan.dtype, "k");
+  const Tensor v = files.v.Load(plan.dtype, "v");
+  Tensor dout, sinks, q_seg, kv_seg;
+  if (plan.backward) dout = files.dout.Load(plan.dtype, "dout");
+  if (!args.sinks.empty()) sinks = files.sinks.Load(DType::kF32, "sinks");
+  if (!args.q_segments.empty()) {
+    q_seg = files.q_segments.Load(DType::kI32, "q segment ids");
+    kv_seg = files.kv_segments.Load(DType::kI32, "kv segment ids");
+  }
+  AttentionInputs in;
+  in.q = q.view();
+  in.k = k.view();
+  in.v = v.view();
+  in.sinks = ViewOrEmpty(sinks);
+  in.q_segments = ViewOrEmpty(q_seg);
+  in.kv_segments = ViewOrEmpty(kv_seg);
+  const AttentionOptions opt = MakeAttentionOptions(args, mask);
+  Results r = AllocateResults(d, d.sq, d.skv, plan.backward, sinks.data() != nullptr);
+
+  progress.Phase(plan.backward ? "forward + backward" : "forward");
+  if (ranks == 1) {
+    AttentionForward(in, opt, r.out.view(), r.lse.view());
+    if (plan.backward) {
+      AttentionBackward(in, opt, r.out.view(), r.lse.view(), dout.view(), r.dq.view(), r.dk.view(),
+                        r.dv.view(), ViewOrEmpty(r.dsinks));
+    }
+  } else {
+    RingRun run;
+    run.num_ranks = ranks;
+    run.options.attention = opt;
+    run.options.layout = plan.layout;
+    run.comm.timeout_s = args.comm_timeout;
+    if (plan.backward) {
+      RingAttentionThreads(run, in, r.out.view(), r.lse.view(), dout.view(), r.dq.view(),
+                           r.dk.view(), r.dv.view(), ViewOrEmpty(r.dsinks));
+    } else {
+      RingAttentionThreads(run, in, r.out.view(), r.lse.view());
+    }
+  }
+
+  progress.Phase("writing outputs");
+  for (size_t i = 0; i < specs.size(); ++i) {
+    const Tensor& t = r.For(specs[i].flag);
+    files_out[i].Write(0, t.data(), t.numel());
+    files_out[i].Close();
+  }
+  pending.Commit();
+}
+
+// One MPI rank: reads only its shard's rows (memory-mapped), runs its part
+// of the ring, and writes its rows into temporaries rank 0 created; rank 0
+// renames them once every rank has finished writing.
+void RunAttendMpiRank(Communicator& comm, const AttendArgs& args, const AttendPlan& plan,
+                      bool& ring_started) {
+  const int n = comm.size();
+  const int rank = comm.rank();
+  if (args.ranks != 0 && args.ranks != n) {
+    Usage("--ranks ", args.ranks, " does not match the ", n, " MPI processes (mpirun -np ", n, ")");
+  }
+  Progress progress(kProgressPrefix, rank == 0);
+  progress.Phase("reading inputs");
+  AttendFiles files = OpenInputs(args, plan);
+  CheckDivisible(files, plan.layout, n);
+  const Mask mask = BuildMask(files, plan);
+  const Dims& d = files.dims;
+
+  // Every rank must name the same temporaries: use rank 0's process id.
+  const uint64_t token = Broadcast(comm, static_cast<uint64_t>(::getpid()));
+  PendingOutputs pending(token, /*owner=*/rank == 0);
+  const std::vector<OutputSpec> specs = PlanOutputs(args, d);
+  std::vector<std::string> temps;
+  for (const OutputSpec& s : specs) temps.push_back(pending.Add(s.path));
+  if (rank == 0) {
+    for (size_t i = 0; i < specs.size(); ++i) {
+      npy::NpyOutputFile::Create(temps[i], npy::NpyType::kF32, specs[i].shape).Close();
+    }
+  }
+  comm.Barrier();
+  ring_started = true;
+  std::vector<npy::NpyOutputFile> files_out;
+  for (size_t i = 0; i < specs.size(); ++i) {
+    files_out.push_back(
+        npy::NpyOutputFile::OpenExisting(temps[i], npy::NpyType::kF32, specs[i].shape));
+  }
+
+  const std::vector<int64_t> q_pos =
+      LayoutPositions(plan.layout, d.sq, rank, n, "q sequence length");
+  const std::vector<int64_t> kv_pos =
+      LayoutPositions(plan.layout, d.skv, rank, n, "kv sequence length");
+  const Tensor q = files.q.LoadRows(plan.dtype, q_pos, "q");
+  const Tensor k = files.k.LoadRows(plan.dtype, kv_pos, "k");
+  const Tensor v = files.v.LoadRows(plan.dtype, kv_pos, "v");
+  Tensor dout, sinks, q_seg, kv_seg;
+  if (plan.backward) dout = files.dout.LoadRows(plan.dtype, q_pos, "dout");
+  if (!args.sinks.empty()) sinks = files.sinks.Load(DType::kF32, "sinks");
+  if (!args.q_segments.empty()) {
+    q_seg = files.q_segments.LoadRows(DType::kI32, q_pos, "q segment ids");
+    kv_seg = files.kv_segments.LoadRows(DType::kI32, kv_pos, "kv segment ids");
+  }
+  AttentionInputs in;
+  in.q = q.view();
+  in.k = k.view();
+  in.v = v.view();
+  in.sinks = ViewOrEmpty(sinks);
+  in.q_segments = ViewOrEmpty(q_seg);
+  in.kv_segments = ViewOrEmpty(kv_seg);
+  RingOptions ro;
+  ro.attention = MakeAttentionOptions(args, mask);
+  if (ro.attention.num_threads == 0)
+    ro.attention.num_threads = DefaultThreadsPerRank(LocalRanks(n));
+  ro.layout = plan.layout;
+  const auto nq = static_cast<int64_t>(q_pos.size());
+  const auto nkv = static_cast<int64_t>(kv_pos.size());
+  Results r = AllocateResults(d, nq, nkv, plan.backward, sinks.data() != nullptr);
+
+  progress.Phase(plan.backward ? "forward + backward" : "forward");
+  RingAttentionForward(comm, in, ro, r.out.view(), r.lse.view());
+  if (plan.backward) {
+    RingAttentionBackward(comm, in, ro, r.out.view(), r.lse.view(), dout.view(), r.dq.view(),
+                          r.dk.view(), r.dv.view(), ViewOrEmpty(r.dsinks));
+  }
+
+  progress.Phase("writing outputs");
+  for (size_t i = 0; i < specs.size(); ++i) {
+    const std::string& flag = specs[i].flag;
+    const float* data = r.For(flag).data_as<float>();
+    if (flag == "--out") {
+      WriteRows(files_out[i], data, d.b, d.sq, q_pos, d.h * d.dv);
+    } else if (flag == "--lse") {
+      WriteRows(files_out[i], data, d.b * d.h, d.sq, q_pos, 1);
+    } else if (flag == "--dq") {
+      WriteRows(files_out[i], data, d.b, d.sq, q_pos, d.h * d.d);
+    } else if (flag == "--dk") {
+      WriteRows(files_out[i], data, d.b, d.skv, kv_pos, d.hkv * d.d);
+    } else if (flag == "--dv") {
+      WriteRows(files_out[i], data, d.b, d.skv, kv_pos, d.hkv * d.dv);
+    } else if (rank == 0) {  // --dsinks: the same global gradient on every rank
+      files_out[i].Write(0, data, d.h);
+    }
+    files_out[i].Close();
+  }
+  comm.Barrier();  // every rank's rows are on disk
+  pending.Commit();
+}
+
+void RunAttendMpi(const AttendArgs& args, const AttendPlan& plan) {
+  CommOptions copt;
+  copt.timeout_s = args.comm_timeout;
+  std::unique_ptr<Communicator> comm = MakeMpiCommunicator(copt);
+  bool ring_started = false;
+  try {
+    RunAttendMpiRank(*comm, args, plan, ring_started);
+  } catch (const std::exception& e) {
+    comm->Abort(e.what());
+    // Before the ring every rank checks the same things and fails alike:
+    // rank 0 alone reports. Later a failure may be local to one rank.
+    if (comm->rank() == 0) throw;
+    if (!ring_started) throw SilentFailure();
+    Fail("rank ", comm->rank(), ": ", e.what());
+  }
+}
+
+}  // namespace
+
+CLI::App* AddAttendCommand(CLI::App& app, AttendArgs& a) {
+  CLI::App* cmd = app.add_subcommand(
+      "attend",
+      "Run attention on arrays saved by NumPy (.npy): forward, and backward with --dout.");
+  cmd->add_option("--q", a.q, "queries [B, Sq, H, D], float32 or float16")
+      ->required()
+      ->type_name("FILE");
+  cmd->add_option("--k", a.k, "keys [B, Skv, Hkv, D]; H % Hkv == 0 (GQA/MQA)")
+      ->required()
+      ->type_name("FILE");
+  cmd->add_option("--v", a.v, "values [B, Skv, Hkv, Dv]")->required()->type_name("FILE");
+  cmd->add_option("--out", a.out, "output [B, Sq, H, Dv], float32")->required()->type_name("FILE");
+  cmd->add_option("--lse", a.lse, "log-sum-exp [B, H, Sq], float32")->type_name("FILE");
+  cmd->add_option("--mask", a.mask,
+                  "mask text: full, causal[:OFF], local:L,R[,OFF], chunked:C, joined with & "
+                  "and | (default full)")
+      ->type_name("TEXT");
+  cmd->add_option("--dense-mask", a.dense_mask,
+                  "bool [Sq, Skv] or [H, Sq, Skv] (uint8/int accepted), ANDed with --mask")
+      ->type_name("FILE");
+  cmd->add_option_function<double>(
+         "--softcap", [&a](const double& c) { a.softcap = c; },
+         "soft cap C > 0: s = C * tanh(s / C)")
+      ->type_name("C");
+  cmd->add_option_function<double>(
+         "--scale", [&a](const double& s) { a.scale = s; }, "score scale (default 1/sqrt(D))")
+      ->type_name("S");
+  cmd->add_option("--sinks", a.sinks, "attention sink logits [H], float32")->type_name("FILE");
+  cmd->add_option("--q-segments", a.q_segments, "segment ids [B, Sq], int32")->type_name("FILE");
+  cmd->add_option("--kv-segments", a.kv_segments, "segment ids [B, Skv], int32")->type_name("FILE");
+  cmd->add_option("--dout", a.dout, "gradient of out [B, Sq, H, Dv]: runs the backward pass")
+      ->type_name("FILE");
+  cmd->add_option("--dq", a.dq, "writes dq [B, Sq, H, D] (needs --dout)")->type_name("FILE");
+  cmd->add_option("--dk", a.dk, "writes dk [B, Skv, Hkv, D] (needs --dout)")->type_name("FILE");
+  cmd->add_option("--dv", a.dv, "writes dv [B, Skv, Hkv, Dv] (needs --dout)")->type_name("FILE");
+  cmd->add_option("--dsinks", a.dsinks, "writes dsinks [H] (needs --dout and --sinks)")
+      ->type_name("FILE");
+  cmd->add_option("--ranks", a.ranks,
+                  "ring size (threads backend; default 1 = single device; under mpirun: the "
+                  "number of processes)")
+      ->type_name("N");
+  cmd->add_option("--layout", a.layout, "sequence layout over ranks: contiguous|zigzag|striped")
+      ->type_name("NAME")
+      ->capture_default_str();
+  cmd->add_option("--backend", a.backend, "threads (one process) | mpi (under mpirun)")
+      ->type_name("NAME")
+      ->capture_default_str();
+  cmd->add_option("--dtype", a.dtype, "compute dtype: f32 | bf16 (f32 accumulation)")
+      ->type_name("NAME")
+      ->capture_default_str();
+  cmd->add_option("--threads-per-rank", a.threads_per_rank,
+                  "kernel threads per rank (default: cores / ranks)")
+      ->type_name("T");
+  cmd->add_option("--comm-timeout", a.comm_timeout,
+                  "seconds a rank waits for a peer before failing")
+      ->type_name("SECONDS")
+      ->capture_default_str();
+  cmd->footer(
+      "\nExample:\n  ringsplash attend --q q.npy --k k.npy --v v.npy --out out.npy --mask causal "
+      "--ranks 4\n\nOutputs are written to temporary files and renamed when complete; on any "
+      "error none is left. See docs/CLI.md.");
+  return cmd;
+}
+
+void RunAttend(const AttendArgs& args) {
+  const AttendPlan plan = CheckArgs(args);
+  if (plan.backend == Backend::kMpi) {
+    RunAttendMpi(args, plan);
+  } else {
+    RunAttendThreads(args, plan);
+  }
+}
+
+}  // namespace ringsplash::cli

@@ -1,0 +1,243 @@
+// `ringsplash bench`: flags, resolution of defaults, JSON output.
+#include "tools/bench.h"
+
+#include <CLI/CLI.hpp>
+#include <cmath>
+#include <iostream>
+#include <memory>
+
+#include "ringsplash/error.h"
+#include "ringsplash/mask.h"
+#include "tools/cli_common.h"
+
+namespace ringsplash::cli {
+namespace {
+
+void CheckPositive(int64_t value, const char* flag) {
+  if (value <= 0) Usage(flag, ": expected a positive integer, got ", value);
+}
+
+void CheckBlock(int64_t value, const char* flag) {
+  if (value <= 0 || value % 16 != 0) {
+    Usage(flag, ": expected a positive multiple of 16, got ", value);
+  }
+}
+
+}  // namespace
+
+BenchConfig ResolveConfig(const BenchArgs& a, int64_t seq, int world) {
+  BenchConfig c;
+  c.batch = a.batch;
+  c.seq = seq;
+  c.q_seq = a.q_seq == 0 ? seq : a.q_seq;
+  c.heads = a.heads;
+  c.kv_heads = a.kv_heads == 0 ? a.heads : a.kv_heads;
+  c.head_dim = a.head_dim;
+  c.v_head_dim = a.v_head_dim == 0 ? a.head_dim : a.v_head_dim;
+  CheckPositive(c.batch, "--batch");
+  CheckPositive(c.seq, "--seq");
+  CheckPositive(c.q_seq, "--q-seq");
+  CheckPositive(c.heads, "--heads");
+  CheckPositive(c.kv_heads, "--kv-heads");
+  CheckPositive(c.head_dim, "--head-dim");
+  CheckPositive(c.v_head_dim, "--v-head-dim");
+  if (c.heads % c.kv_heads != 0) {
+    Usage("--kv-heads: ", c.kv_heads, " must divide --heads ", c.heads);
+  }
+  c.mask = a.mask;
+  try {
+    Mask::Parse(a.mask);
+  } catch (const Error& e) {
+    Usage("--mask: ", e.what());
+  }
+  try {
+    c.layout = ParseLayout(a.layout);
+  } catch (const Error& e) {
+    Usage("--layout: expected contiguous, zigzag or striped, got '", a.layout, "'");
+  }
+  if (a.backend != "threads" && a.backend != "mpi") {
+    Usage("--backend: expected threads or mpi, got '", a.backend, "'");
+  }
+  c.mpi = a.backend == "mpi";
+  if (a.dtype == "f32") {
+    c.dtype = DType::kF32;
+  } else if (a.dtype == "bf16") {
+    c.dtype = DType::kBF16;
+  } else {
+    Usage("--dtype: expected f32 or bf16, got '", a.dtype, "'");
+  }
+  if (a.pass == "fwd") {
+    c.pass = Pass::kFwd;
+  } else if (a.pass == "bwd") {
+    c.pass = Pass::kBwd;
+  } else if (a.pass == "fwdbwd") {
+    c.pass = Pass::kFwdBwd;
+  } else {
+    Usage("--pass: expected fwd, bwd or fwdbwd, got '", a.pass, "'");
+  }
+  if (a.ranks < 0 || a.ranks > 4096) Usage("--ranks: expected 1 to 4096, got ", a.ranks);
+  if (c.mpi && a.ranks != 0 && a.ranks != world) {
+    Usage("--ranks ", a.ranks, " does not match the ", world, " MPI processes (mpirun -np ", world,
+          ")");
+  }
+  c.ranks = c.mpi ? world : (a.ranks == 0 ? 1 : a.ranks);
+  if (c.ranks > 1) {
+    const int64_t div = c.layout == Layout::kZigzag ? 2 * int64_t{c.ranks} : c.ranks;
+    for (const auto& [len, flag] : {std::pair{c.seq, "--seq"}, std::pair{c.q_seq, "--q-seq"}}) {
+      if (len % div != 0) {
+        Usage(flag, ": ", len, " does not divide by ", div,
+              c.layout == Layout::kZigzag ? " (2 x ranks for --layout zigzag)" : "", " with ",
+              c.ranks, " ranks");
+      }
+    }
+  }
+  if (a.threads_per_rank < 0) Usage("--threads-per-rank: expected >= 1, got ", a.threads_per_rank);
+  c.threads_per_rank = a.threads_per_rank != 0
+                           ? a.threads_per_rank
+                           : DefaultThreadsPerRank(c.mpi ? LocalRanks(c.ranks) : c.ranks);
+  if (a.warmup < 0) Usage("--warmup: expected >= 0, got ", a.warmup);
+  if (a.iters < 1) Usage("--iters: expected >= 1, got ", a.iters);
+  c.warmup = a.warmup;
+  c.iters = a.iters;
+  c.check = a.check;
+  CheckPositive(a.check_rows, "--check-rows");
+  c.check_rows = a.check_rows;
+  CheckBlock(a.block_q, "--block-q");
+  CheckBlock(a.block_kv, "--block-kv");
+  c.blocks.q = a.block_q;
+  c.blocks.kv = a.block_kv;
+  c.seed = a.seed;
+  if (!(std::isfinite(a.comm_timeout) && a.comm_timeout > 0)) {
+    Usage("--comm-timeout: expected a number of seconds > 0, got ", a.comm_timeout);
+  }
+  c.comm_timeout = a.comm_timeout;
+  return c;
+}
+
+nlohmann::json ToJson(const BenchResult& r) {
+  const BenchConfig& c = r.config;
+  nlohmann::json config = {
+      {"batch", c.batch},
+      {"seq", c.seq},
+      {"q_seq", c.q_seq},
+      {"heads", c.heads},
+      {"kv_heads", c.kv_heads},
+      {"head_dim", c.head_dim},
+      {"v_head_dim", c.v_head_dim},
+      {"mask", c.mask},
+      {"layout", LayoutName(c.layout)},
+      {"ranks", c.ranks},
+      {"backend", c.mpi ? "mpi" : "threads"},
+      {"dtype", DTypeName(c.dtype)},
+      {"pass", PassName(c.pass)},
+      {"threads_per_rank", c.threads_per_rank},
+      {"warmup", c.warmup},
+      {"iters", c.iters},
+      {"check", c.check},
+      {"check_rows", c.check_rows},
+      {"block_q", c.blocks.q},
+      {"block_kv", c.blocks.kv},
+      {"seed", c.seed},
+  };
+  nlohmann::json j = {
+      {"config", config},
+      {"kernel_path", r.kernel_path},
+      {"seconds", r.seconds},
+      {"forward_seconds", r.forward_seconds},
+      {"backward_seconds", r.backward_seconds},
+      {"allowed_pairs", r.allowed_pairs},
+      {"flops", r.flops},
+      {"gflops", r.gflops},
+      {"peak_gflops", r.peak_gflops},
+      {"peak_method", r.peak_method},
+      {"peak_threads", r.peak_threads},
+      {"fraction_of_peak", r.fraction_of_peak},
+      {"kernel_flops", r.kernel_flops},
+      {"computed_blocks", r.computed_blocks},
+      {"skipped_blocks", r.skipped_blocks},
+      {"compute_seconds", r.compute_seconds},
+      {"comm_wait_seconds", r.comm_wait_seconds},
+      {"rank_flops", r.rank_flops},
+      {"imbalance", r.imbalance},
+  };
+  if (r.check) {
+    // JSON has no infinity: a non-finite error (NaN or inf mismatch) is null.
+    auto number = [](double x) { return std::isfinite(x) ? nlohmann::json(x) : nlohmann::json(); };
+    nlohmann::json errors = nlohmann::json::object();
+    for (const auto& [name, err] : r.check->errors) errors[name] = number(err);
+    j["max_rel_err"] = number(r.check->max_rel_err);
+    j["check"] = {{"q_rows", r.check->q_rows},
+                  {"kv_rows", r.check->kv_rows},
+                  {"rel_err", errors},
+                  {"reference", "single-device AttentionForward/AttentionBackward"}};
+  }
+  return j;
+}
+
+CLI::App* AddBenchCommand(CLI::App& app, BenchArgs& a) {
+  CLI::App* cmd = app.add_subcommand(
+      "bench",
+      "Measure the ring (or the single-device kernel) on seeded random inputs; one "
+      "JSON object per configuration on stdout.");
+  cmd->add_option("--batch", a.batch, "batch B")->capture_default_str();
+  cmd->add_option("--seq", a.seq, "key/value length Skv; a comma list runs each (1024,2048)")
+      ->delimiter(',')
+      ->capture_default_str();
+  cmd->add_option("--q-seq", a.q_seq, "query length Sq (default: = --seq)");
+  cmd->add_option("--heads", a.heads, "query heads H")->capture_default_str();
+  cmd->add_option("--kv-heads", a.kv_heads, "key/value heads Hkv (default: = --heads)");
+  cmd->add_option("--head-dim", a.head_dim, "head dim D")->capture_default_str();
+  cmd->add_option("--v-head-dim", a.v_head_dim, "value head dim Dv (default: = --head-dim)");
+  cmd->add_option("--mask", a.mask, "mask text, as for attend")->capture_default_str();
+  cmd->add_option("--layout", a.layout, "contiguous|zigzag|striped")->capture_default_str();
+  cmd->add_option("--ranks", a.ranks, "ring size (default 1; under mpirun: the process count)");
+  cmd->add_option("--backend", a.backend, "threads|mpi")->capture_default_str();
+  cmd->add_option("--dtype", a.dtype, "f32|bf16")->capture_default_str();
+  cmd->add_option("--pass", a.pass, "fwd|bwd|fwdbwd")->capture_default_str();
+  cmd->add_option("--threads-per-rank", a.threads_per_rank,
+                  "kernel threads per rank (default: cores / ranks)");
+  cmd->add_option("--warmup", a.warmup, "untimed iterations")->capture_default_str();
+  cmd->add_option("--iters", a.iters, "timed iterations (median reported)")->capture_default_str();
+  cmd->add_flag("--check", a.check, "compare sampled rows with the single-device kernel");
+  cmd->add_option("--check-rows", a.check_rows, "rows sampled by --check")->capture_default_str();
+  cmd->add_option("--block-q", a.block_q, "query tile size")->capture_default_str();
+  cmd->add_option("--block-kv", a.block_kv, "key/value tile size")->capture_default_str();
+  cmd->add_option("--seed", a.seed, "input seed")->capture_default_str();
+  cmd->add_option("--comm-timeout", a.comm_timeout, "seconds a rank waits for a peer")
+      ->capture_default_str();
+  cmd->footer(
+      "\nExample:\n  ringsplash bench --seq 4096,8192 --mask causal --ranks 4 --pass fwdbwd "
+      "--check\n\nFLOPs are useful FLOPs: forward = 2*B*(D+Dv)*allowed pairs (summed over "
+      "heads); backward = 2.5 x forward. See docs/CLI.md.");
+  return cmd;
+}
+
+int RunBench(const BenchArgs& args) {
+  if (args.seq.empty()) Usage("--seq: expected at least one length");
+  if (args.backend == "mpi") {
+    CommOptions copt;
+    copt.timeout_s = args.comm_timeout;
+    std::unique_ptr<Communicator> comm = MakeMpiCommunicator(copt);
+    const bool root = comm->rank() == 0;
+    try {
+      for (int64_t seq : args.seq) {
+        const BenchResult r = RunBenchOnRank(*comm, ResolveConfig(args, seq, comm->size()));
+        if (root) std::cout << ToJson(r).dump() << std::endl;
+      }
+    } catch (const std::exception& e) {
+      comm->Abort(e.what());
+      if (!root) throw SilentFailure();
+      throw;
+    }
+    return kExitOk;
+  }
+  // Resolve every configuration first: a bad value fails before any run.
+  std::vector<BenchConfig> configs;
+  for (int64_t seq : args.seq) configs.push_back(ResolveConfig(args, seq, 0));
+  for (const BenchConfig& c : configs) {
+    std::cout << ToJson(RunBenchThreads(c)).dump() << std::endl;
+  }
+  return kExitOk;
+}
+
+}  // namespace ringsplash::cli

@@ -1,0 +1,58 @@
+// `ringsplash bench`: measured configurations, one JSON object per line.
+#ifndef RINGSPLASH_TOOLS_BENCH_H_
+#define RINGSPLASH_TOOLS_BENCH_H_
+
+#include <cstdint>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "tools/bench_run.h"
+
+namespace CLI {
+class App;
+}
+
+namespace ringsplash::cli {
+
+// The command line; 0 means "derive the default" where noted.
+struct BenchArgs {
+  int64_t batch = 1;
+  std::vector<int64_t> seq = {4096};  // one JSON line per value
+  int64_t q_seq = 0;                  // 0: = seq
+  int64_t heads = 8;
+  int64_t kv_heads = 0;  // 0: = heads
+  int64_t head_dim = 128;
+  int64_t v_head_dim = 0;  // 0: = head_dim
+  std::string mask = "full";
+  std::string layout = "zigzag";
+  int ranks = 0;  // 0: 1 (threads) or the MPI world size
+  std::string backend = "threads";
+  std::string dtype = "f32";
+  std::string pass = "fwd";
+  int threads_per_rank = 0;  // 0: cores / ranks
+  int warmup = 1;
+  int iters = 5;
+  bool check = false;
+  int64_t check_rows = 64;
+  int64_t block_q = 64;
+  int64_t block_kv = 128;
+  uint64_t seed = 0;
+  double comm_timeout = 60;
+};
+
+CLI::App* AddBenchCommand(CLI::App& app, BenchArgs& args);
+// Runs every configuration; prints one JSON object per line on stdout
+// (rank 0 only under MPI). Returns the exit status.
+int RunBench(const BenchArgs& args);
+
+// The JSON object of one result (fields documented in docs/CLI.md).
+nlohmann::json ToJson(const BenchResult& result);
+
+// Checks and resolves the common configuration flags (UsageError on any
+// problem); `seq` is one value of the list, `world` the MPI size (0: threads).
+BenchConfig ResolveConfig(const BenchArgs& args, int64_t seq, int world);
+
+}  // namespace ringsplash::cli
+
+#endif  // RINGSPLASH_TOOLS_BENCH_H_

@@ -1,0 +1,209 @@
+// Timed runs of one configuration on every rank, gathered on rank 0.
+#include "tools/bench_run.h"
+
+#include <algorithm>
+#include <chrono>
+
+#include "ringsplash/error.h"
+#include "tools/bench_check.h"
+#include "tools/cli_common.h"
+#include "tools/peak.h"
+#include "tools/random_fill.h"
+
+namespace ringsplash::cli {
+namespace {
+
+double Now() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+double Median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+// What one rank measured, summed over the timed iterations.
+struct RankTotals {
+  double compute = 0, wait = 0, flops = 0, computed = 0, skipped = 0;
+  void Add(const RankStats& s) {
+    compute += s.compute_seconds();
+    wait += s.comm_wait_seconds();
+    flops += s.flops();
+    computed += static_cast<double>(s.computed_blocks());
+    skipped += static_cast<double>(s.skipped_blocks());
+  }
+  void Add(const KernelStats& s, double seconds) {
+    compute += seconds;
+    flops += s.flops;
+    computed += static_cast<double>(s.computed_blocks);
+    skipped += static_cast<double>(s.skipped_blocks);
+  }
+};
+
+}  // namespace
+
+BenchResult RunBenchOnRank(Communicator& comm, const BenchConfig& c) {
+  const int n = comm.size();
+  const int rank = comm.rank();
+  const bool single = n == 1;
+  const bool fwd = c.pass != Pass::kBwd;
+  const bool bwd = c.pass != Pass::kFwd;
+  const Mask mask = Mask::Parse(c.mask);
+  const std::vector<int64_t> q_pos =
+      single ? Iota(c.q_seq) : LayoutPositions(c.layout, c.q_seq, rank, n, "--q-seq");
+  const std::vector<int64_t> kv_pos =
+      single ? Iota(c.seq) : LayoutPositions(c.layout, c.seq, rank, n, "--seq");
+  const auto nq = static_cast<int64_t>(q_pos.size());
+  const auto nkv = static_cast<int64_t>(kv_pos.size());
+
+  Tensor q(c.dtype, {c.batch, nq, c.heads, c.head_dim});
+  Tensor k(c.dtype, {c.batch, nkv, c.kv_heads, c.head_dim});
+  Tensor v(c.dtype, {c.batch, nkv, c.kv_heads, c.v_head_dim});
+  FillRandom(q, c.seed, RandomStream::kQ, q_pos, c.q_seq);
+  FillRandom(k, c.seed, RandomStream::kK, kv_pos, c.seq);
+  FillRandom(v, c.seed, RandomStream::kV, kv_pos, c.seq);
+  Tensor dout, dq, dk, dv;
+  if (bwd) {
+    dout = Tensor(c.dtype, {c.batch, nq, c.heads, c.v_head_dim});
+    FillRandom(dout, c.seed, RandomStream::kDout, q_pos, c.q_seq);
+    dq = Tensor(DType::kF32, {c.batch, nq, c.heads, c.head_dim});
+    dk = Tensor(DType::kF32, {c.batch, nkv, c.kv_heads, c.head_dim});
+    dv = Tensor(DType::kF32, {c.batch, nkv, c.kv_heads, c.v_head_dim});
+  }
+  Tensor out(DType::kF32, {c.batch, nq, c.heads, c.v_head_dim});
+  Tensor lse(DType::kF32, {c.batch, c.heads, nq});
+
+  AttentionInputs in;
+  in.q = q.view();
+  in.k = k.view();
+  in.v = v.view();
+  RingOptions ro;
+  ro.attention.mask = mask;
+  ro.attention.block_sizes = c.blocks;
+  ro.attention.num_threads = c.threads_per_rank;
+  ro.layout = c.layout;
+
+  RankTotals totals;
+  auto run_forward = [&](bool timed) {
+    if (single) {
+      KernelStats ks;
+      const double t0 = Now();
+      AttentionForward(in, ro.attention, out.view(), lse.view(), &ks);
+      if (timed) totals.Add(ks, Now() - t0);
+    } else {
+      RankStats rs;
+      RingAttentionForward(comm, in, ro, out.view(), lse.view(), &rs);
+      if (timed) totals.Add(rs);
+    }
+  };
+  auto run_backward = [&](bool timed) {
+    if (single) {
+      KernelStats ks;
+      const double t0 = Now();
+      AttentionBackward(in, ro.attention, out.view(), lse.view(), dout.view(), dq.view(), dk.view(),
+                        dv.view(), {}, &ks);
+      if (timed) totals.Add(ks, Now() - t0);
+    } else {
+      RankStats rs;
+      RingAttentionBackward(comm, in, ro, out.view(), lse.view(), dout.view(), dq.view(), dk.view(),
+                            dv.view(), {}, &rs);
+      if (timed) totals.Add(rs);
+    }
+  };
+
+  if (!fwd) run_forward(false);  // backward alone needs out and lse
+  std::vector<double> fwd_times, bwd_times, times;
+  for (int it = 0; it < c.warmup + c.iters; ++it) {
+    const bool timed = it >= c.warmup;
+    comm.Barrier();
+    const double t0 = Now();
+    if (fwd) run_forward(timed);
+    comm.Barrier();
+    const double t1 = Now();
+    if (bwd) run_backward(timed);
+    comm.Barrier();
+    const double t2 = Now();
+    if (timed) {
+      if (fwd) fwd_times.push_back(t1 - t0);
+      if (bwd) bwd_times.push_back(t2 - t1);
+      times.push_back(t2 - t0);
+    }
+  }
+
+  BenchResult r;
+  r.config = c;
+  r.kernel_path = KernelPathName(ResolveKernelPath(KernelPath::kAuto));
+  r.seconds = Median(times);
+  r.forward_seconds = Median(fwd_times);
+  r.backward_seconds = Median(bwd_times);
+  const double iters = std::max(1, c.iters);
+  r.compute_seconds = AllGather(comm, totals.compute / iters);
+  r.comm_wait_seconds = AllGather(comm, totals.wait / iters);
+  r.rank_flops = AllGather(comm, totals.flops / iters);
+  std::vector<double> computed = AllGather(comm, totals.computed / iters);
+  std::vector<double> skipped = AllGather(comm, totals.skipped / iters);
+  for (int i = 0; i < n; ++i) {
+    r.kernel_flops += r.rank_flops[i];
+    r.computed_blocks += static_cast<int64_t>(computed[i]);
+    r.skipped_blocks += static_cast<int64_t>(skipped[i]);
+  }
+  const double max_flops = *std::max_element(r.rank_flops.begin(), r.rank_flops.end());
+  const double mean_flops = r.kernel_flops / n;
+  r.imbalance = mean_flops > 0 ? max_flops / mean_flops : 1.0;
+
+  SampledResults samples;
+  if (c.check) {
+    LocalResults local;
+    local.q_pos = q_pos;
+    local.kv_pos = kv_pos;
+    local.out = &out;
+    local.lse = &lse;
+    if (bwd) {
+      local.dq = &dq;
+      local.dk = &dk;
+      local.dv = &dv;
+    }
+    samples = GatherSamples(comm, c, local);
+  }
+
+  // The peak over the threads this run used: under MPI every process
+  // measures its own threads at the same time and the results add up; on
+  // the threads backend rank 0 measures all ranks' threads at once.
+  Peak peak;
+  if (c.mpi) {
+    comm.Barrier();
+    peak = MeasurePeak(c.dtype, c.threads_per_rank);
+    const std::vector<double> all = AllGather(comm, peak.gflops);
+    peak.gflops = 0;
+    for (double g : all) peak.gflops += g;
+    peak.threads = c.threads_per_rank * n;
+  } else if (rank == 0) {
+    peak = MeasurePeak(c.dtype, c.threads_per_rank * n);
+  }
+  if (rank != 0) return r;  // no collective below: other ranks may leave
+
+  r.allowed_pairs = AllowedPairs(mask, c.q_seq, c.seq, c.heads);
+  r.flops = UsefulFlops(r.allowed_pairs, c.batch, c.head_dim, c.v_head_dim, c.pass);
+  r.gflops = r.seconds > 0 ? r.flops / r.seconds / 1e9 : 0;
+  r.peak_gflops = peak.gflops;
+  r.peak_method = peak.method;
+  r.peak_threads = peak.threads;
+  r.fraction_of_peak = r.peak_gflops > 0 ? r.gflops / r.peak_gflops : 0;
+  if (c.check) r.check = CheckSamples(c, mask, samples, c.threads_per_rank * (c.mpi ? 1 : n));
+  return r;
+}
+
+BenchResult RunBenchThreads(const BenchConfig& c) {
+  CommOptions copt;
+  copt.timeout_s = c.comm_timeout;
+  BenchResult result;
+  RunThreadRanks(c.ranks, copt, [&](Communicator& comm) {
+    BenchResult r = RunBenchOnRank(comm, c);
+    if (comm.rank() == 0) result = std::move(r);
+  });
+  return result;
+}
+
+}  // namespace ringsplash::cli

@@ -1,0 +1,86 @@
+// One measured configuration of the ring (or the single-device kernel): the
+// engine behind `ringsplash bench` and `ringsplash demo`.
+//
+// Every rank generates only its own shard of the seeded random inputs
+// (random_fill.h), runs warmup + timed iterations between barriers, and the
+// per-rank accounting is gathered on rank 0. With `check`, sampled rows of
+// the ring's results are compared with the single-device kernel on rank 0.
+#ifndef RINGSPLASH_TOOLS_BENCH_RUN_H_
+#define RINGSPLASH_TOOLS_BENCH_RUN_H_
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "ringsplash/attention.h"
+#include "ringsplash/comm.h"
+#include "ringsplash/ring.h"
+#include "ringsplash/tensor.h"
+#include "tools/flop_count.h"
+
+namespace ringsplash::cli {
+
+// A fully resolved configuration (no "default" placeholders left).
+struct BenchConfig {
+  int64_t batch = 1;
+  int64_t seq = 4096;    // Skv
+  int64_t q_seq = 4096;  // Sq
+  int64_t heads = 8;
+  int64_t kv_heads = 8;
+  int64_t head_dim = 128;
+  int64_t v_head_dim = 128;
+  std::string mask = "full";
+  Layout layout = Layout::kZigzag;
+  int ranks = 1;
+  bool mpi = false;  // backend: false = threads
+  DType dtype = DType::kF32;
+  Pass pass = Pass::kFwd;
+  int threads_per_rank = 1;
+  int warmup = 1;
+  int iters = 5;
+  bool check = false;
+  int64_t check_rows = 64;
+  BlockSizes blocks;
+  uint64_t seed = 0;
+  double comm_timeout = 60;
+};
+
+// Errors of the sampled check, each max|ring - single| / max|single| over the
+// sampled rows of one tensor.
+struct CheckResult {
+  int64_t q_rows = 0;   // sampled query rows (out, lse, dq)
+  int64_t kv_rows = 0;  // sampled key/value rows (dk, dv); 0 for forward only
+  std::vector<std::pair<std::string, double>> errors;  // {"out", 1e-7}, ...
+  double max_rel_err = 0;
+};
+
+struct BenchResult {
+  BenchConfig config;
+  std::string kernel_path;  // what kAuto resolved to
+  double seconds = 0;       // median per iteration (forward + backward as configured)
+  double forward_seconds = 0, backward_seconds = 0;  // medians, 0 if not run
+  double allowed_pairs = 0;
+  double flops = 0;         // useful FLOPs per iteration (flop_count.h)
+  double kernel_flops = 0;  // FLOPs the kernels spent per iteration (incl. masked elements)
+  double gflops = 0;
+  double peak_gflops = 0;
+  std::string peak_method;
+  int peak_threads = 0;
+  double fraction_of_peak = 0;
+  int64_t computed_blocks = 0, skipped_blocks = 0;                     // per iteration, all ranks
+  std::vector<double> compute_seconds, comm_wait_seconds, rank_flops;  // per rank, per iteration
+  double imbalance = 1;                                                // max / mean of rank_flops
+  std::optional<CheckResult> check;
+};
+
+// Runs `config` on `comm` (collective: every rank calls it). The result is
+// complete on rank 0 only.
+BenchResult RunBenchOnRank(Communicator& comm, const BenchConfig& config);
+// Runs `config` on config.ranks thread ranks of this process.
+BenchResult RunBenchThreads(const BenchConfig& config);
+
+}  // namespace ringsplash::cli
+
+#endif  // RINGSPLASH_TOOLS_BENCH_RUN_H_

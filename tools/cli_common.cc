@@ -1,0 +1,59 @@
+// Collectives over AllReduceSum and per-machine defaults.
+#include "tools/cli_common.h"
+
+#include <algorithm>
+#include <cstdlib>
+#include <thread>
+
+namespace ringsplash::cli {
+
+std::vector<double> AllGather(Communicator& comm, double value) {
+  // value = hi + mid + lo exactly for any double whose magnitude a float can
+  // hold: three float pieces carry 72 significant bits. Each slot has only
+  // one non-zero contributor, so the float sums are exact.
+  const int n = comm.size();
+  std::vector<float> slots(static_cast<size_t>(3 * n), 0.0f);
+  const float hi = static_cast<float>(value);
+  const float mid = static_cast<float>(value - hi);
+  const float lo = static_cast<float>(value - hi - static_cast<double>(mid));
+  slots[3 * comm.rank()] = hi;
+  slots[3 * comm.rank() + 1] = mid;
+  slots[3 * comm.rank() + 2] = lo;
+  comm.AllReduceSum(slots.data(), slots.size());
+  std::vector<double> out(static_cast<size_t>(n));
+  for (int r = 0; r < n; ++r) {
+    out[r] = static_cast<double>(slots[3 * r]) + slots[3 * r + 1] + slots[3 * r + 2];
+  }
+  return out;
+}
+
+void SumInto(Communicator& comm, std::vector<float>& data) {
+  if (comm.size() > 1 && !data.empty()) comm.AllReduceSum(data.data(), data.size());
+}
+
+uint64_t Broadcast(Communicator& comm, uint64_t value) {
+  // Three 16-bit pieces, each exact in a float.
+  float parts[3] = {0, 0, 0};
+  if (comm.rank() == 0) {
+    for (int i = 0; i < 3; ++i) parts[i] = static_cast<float>((value >> (16 * i)) & 0xffff);
+  }
+  comm.AllReduceSum(parts, 3);
+  uint64_t v = 0;
+  for (int i = 0; i < 3; ++i) v |= static_cast<uint64_t>(parts[i]) << (16 * i);
+  return v;
+}
+
+int LocalRanks(int fallback) {
+  if (const char* s = std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE")) {
+    const int n = std::atoi(s);
+    if (n > 0) return n;
+  }
+  return fallback;
+}
+
+int DefaultThreadsPerRank(int ranks_on_this_machine) {
+  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  return std::max(1, cores / std::max(1, ranks_on_this_machine));
+}
+
+}  // namespace ringsplash::cli

@@ -1,0 +1,62 @@
+// Pieces shared by the subcommands: the usage-error type (exit status 2),
+// small collectives built on Communicator::AllReduceSum, and helpers.
+#ifndef RINGSPLASH_TOOLS_CLI_COMMON_H_
+#define RINGSPLASH_TOOLS_CLI_COMMON_H_
+
+#include <cstdint>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "ringsplash/comm.h"
+
+namespace ringsplash::cli {
+
+// A problem with the command line itself (flags, their values, their
+// combination): exit status 2. Everything else that fails is status 1.
+class UsageError : public std::runtime_error {
+ public:
+  explicit UsageError(const std::string& message) : std::runtime_error(message) {}
+};
+
+// A failure already reported elsewhere (e.g. by MPI rank 0): exit status 1
+// without printing anything.
+class SilentFailure : public std::runtime_error {
+ public:
+  SilentFailure() : std::runtime_error("failure reported by another rank") {}
+};
+
+template <typename... Args>
+[[noreturn]] void Usage(Args&&... args) {
+  std::ostringstream os;
+  (os << ... << std::forward<Args>(args));
+  throw UsageError(os.str());
+}
+
+// Exit statuses.
+constexpr int kExitOk = 0;
+constexpr int kExitFailure = 1;
+constexpr int kExitUsage = 2;
+
+// Every rank contributes `value`; every rank gets all values, indexed by rank.
+// Exact for doubles (each is carried as three floats that sum back exactly).
+std::vector<double> AllGather(Communicator& comm, double value);
+// Every rank contributes its own vector (same length on every rank); returns
+// the element-wise sum. Used to assemble on every rank buffers to which each
+// rank wrote disjoint entries (all other entries zero), so it is exact.
+void SumInto(Communicator& comm, std::vector<float>& data);
+// Rank 0's `value` (< 2^48) on every rank.
+uint64_t Broadcast(Communicator& comm, uint64_t value);
+
+// Kernel threads per rank when the user gave none: this machine's cores
+// shared by the ranks on it (Open MPI's local size when under mpirun), >= 1.
+int DefaultThreadsPerRank(int ranks_on_this_machine);
+// Ranks sharing this machine: OMPI_COMM_WORLD_LOCAL_SIZE under Open MPI,
+// else `fallback`.
+int LocalRanks(int fallback);
+
+}  // namespace ringsplash::cli
+
+#endif  // RINGSPLASH_TOOLS_CLI_COMMON_H_

@@ -1,0 +1,136 @@
+// `ringsplash demo`: GQA causal ring attention, forward + backward, checked.
+#include "tools/demo.h"
+
+#include <CLI/CLI.hpp>
+#include <cmath>
+#include <cstdio>
+#include <iostream>
+
+#include "ringsplash/ring.h"
+#include "tools/bench.h"
+#include "tools/bench_run.h"
+#include "tools/cli_common.h"
+#include "tools/progress.h"
+
+namespace ringsplash::cli {
+namespace {
+
+// Ring vs single-device differ only by float rounding (different summation
+// order of the same f32 accumulations), ~1e-6 relative in f32. bf16 inputs
+// are identical on both sides, but the kernels round probabilities to bf16
+// per tile, and tiles fall differently on the ring: ~1e-3 relative.
+// The bounds leave an order of magnitude of margin.
+constexpr double kTolF32 = 1e-3;
+constexpr double kTolBF16 = 3e-2;
+
+void PrintTable(const BenchResult& r, double tol, bool pass) {
+  const BenchConfig& c = r.config;
+  const double fwd_tflop = r.flops / 3.5 / 1e12;
+  std::printf("ringsplash demo: exact ring attention on this machine\n\n");
+  std::printf("  %-12s %d ranks on threads, %s layout, %d kernel thread%s per rank (%s)\n", "ring",
+              c.ranks, LayoutName(c.layout), c.threads_per_rank, c.threads_per_rank == 1 ? "" : "s",
+              r.kernel_path.c_str());
+  std::printf("  %-12s B=%lld S=%lld H=%lld Hkv=%lld (GQA %lld:1) D=%lld, mask %s, %s\n", "problem",
+              static_cast<long long>(c.batch), static_cast<long long>(c.seq),
+              static_cast<long long>(c.heads), static_cast<long long>(c.kv_heads),
+              static_cast<long long>(c.heads / c.kv_heads), static_cast<long long>(c.head_dim),
+              c.mask.c_str(), DTypeName(c.dtype));
+  std::printf("  %-12s forward %.2f s + backward %.2f s = %.2f s\n", "time", r.forward_seconds,
+              r.backward_seconds, r.seconds);
+  std::printf("  %-12s %.1f GFLOP/s useful (%.3f TFLOP forward, x3.5 with backward)\n",
+              "throughput", r.gflops, fwd_tflop);
+  std::printf("  %-12s %.1f GFLOP/s measured (%s, %d threads): %.1f %% of peak\n", "peak",
+              r.peak_gflops, r.peak_method.c_str(), r.peak_threads, 100 * r.fraction_of_peak);
+  const double total_blocks = static_cast<double>(r.computed_blocks + r.skipped_blocks);
+  std::printf("  %-12s %lld computed, %lld skipped by the mask (%.0f %%)\n\n", "tiles",
+              static_cast<long long>(r.computed_blocks), static_cast<long long>(r.skipped_blocks),
+              total_blocks > 0 ? 100 * r.skipped_blocks / total_blocks : 0.0);
+
+  std::printf("  %4s  %10s  %12s  %10s  %8s\n", "rank", "compute s", "comm wait s", "GFLOP",
+              "share");
+  const double mean = r.kernel_flops / std::max<size_t>(1, r.rank_flops.size());
+  for (size_t i = 0; i < r.rank_flops.size(); ++i) {
+    std::printf("  %4zu  %10.2f  %12.3f  %10.1f  %8.2f\n", i, r.compute_seconds[i],
+                r.comm_wait_seconds[i], r.rank_flops[i] / 1e9,
+                mean > 0 ? r.rank_flops[i] / mean : 1.0);
+  }
+  std::printf("\n  %-12s max/mean rank FLOPs = %.2f\n", "balance", r.imbalance);
+  if (r.check) {
+    std::printf(
+        "  %-12s max rel err %.2e vs the single-device kernel on %lld query + %lld key "
+        "rows (",
+        "check", r.check->max_rel_err, static_cast<long long>(r.check->q_rows),
+        static_cast<long long>(r.check->kv_rows));
+    for (size_t i = 0; i < r.check->errors.size(); ++i) {
+      std::printf("%s%s %.1e", i ? ", " : "", r.check->errors[i].first.c_str(),
+                  r.check->errors[i].second);
+    }
+    std::printf("): %s (tolerance %.0e)\n", pass ? "PASS" : "FAIL", tol);
+  }
+}
+
+}  // namespace
+
+CLI::App* AddDemoCommand(CLI::App& app, DemoArgs& a) {
+  CLI::App* cmd = app.add_subcommand(
+      "demo",
+      "Run a realistic ring on this machine (GQA, causal, forward + backward), check it "
+      "against the single-device kernel, print a summary. No arguments needed.");
+  cmd->add_option("--seq", a.seq, "sequence length")->capture_default_str();
+  cmd->add_option("--ranks", a.ranks, "ranks (threads)")->capture_default_str();
+  cmd->add_option("--layout", a.layout, "contiguous|zigzag|striped")->capture_default_str();
+  cmd->add_option("--mask", a.mask, "mask text, as for attend")->capture_default_str();
+  cmd->add_option("--dtype", a.dtype, "f32|bf16")->capture_default_str();
+  cmd->add_option("--threads-per-rank", a.threads_per_rank,
+                  "kernel threads per rank (default: cores / ranks)");
+  cmd->add_flag("--json", a.json, "print the result as JSON (the bench fields) instead");
+  return cmd;
+}
+
+int RunDemo(const DemoArgs& a) {
+  BenchArgs b;
+  b.batch = 1;
+  b.seq = {a.seq};
+  b.heads = 8;
+  b.kv_heads = 2;
+  b.head_dim = 64;
+  b.mask = a.mask;
+  b.layout = a.layout;
+  b.ranks = a.ranks;
+  b.dtype = a.dtype;
+  b.pass = "fwdbwd";
+  b.threads_per_rank = a.threads_per_rank;
+  b.warmup = 0;
+  b.iters = 1;
+  b.check = true;
+  b.check_rows = 64;
+  if (a.ranks < 1) Usage("--ranks: expected >= 1, got ", a.ranks);
+  const BenchConfig config = ResolveConfig(b, a.seq, 0);
+
+  BenchResult r;
+  {
+    Progress progress("ringsplash demo", !a.json);
+    progress.Phase("ring forward + backward, then the check");
+    r = RunBenchThreads(config);
+  }
+  const double tol = config.dtype == DType::kBF16 ? kTolBF16 : kTolF32;
+  const bool pass = r.check && std::isfinite(r.check->max_rel_err) && r.check->max_rel_err <= tol;
+  if (a.json) {
+    nlohmann::json j = ToJson(r);
+    j["check"]["tolerance"] = tol;
+    j["check"]["pass"] = pass;
+    std::cout << j.dump(2) << std::endl;
+  } else {
+    PrintTable(r, tol, pass);
+  }
+  if (!pass) {
+    std::fflush(stdout);
+    std::fprintf(stderr,
+                 "ringsplash demo: check failed: max rel err %.3g vs the single-device kernel "
+                 "exceeds the tolerance %.0e\n",
+                 r.check ? r.check->max_rel_err : NAN, tol);
+  }
+  return pass ? kExitOk : kExitFailure;
+}
+
+}  // namespace ringsplash::cli

@@ -1,0 +1,79 @@
+// Peak measurement: runtime dispatch, the portable loop, and the threads.
+#include "tools/peak.h"
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <thread>
+#include <vector>
+
+#include "ringsplash/attention.h"
+
+namespace ringsplash::cli {
+namespace {
+
+double PortableFma(int64_t iters) {
+  // Scalar chains; the compiler may vectorise them with the baseline ISA,
+  // which is exactly what portable code can reach.
+  constexpr int kChains = 8;
+  float acc[kChains];
+  for (int j = 0; j < kChains; ++j) acc[j] = static_cast<float>(j);
+  for (int64_t i = 0; i < iters; ++i) {
+    for (int j = 0; j < kChains; ++j) acc[j] = acc[j] * 0.5f + 0.5f;
+  }
+  float sum = 0;
+  for (float a : acc) sum += a;
+  volatile float sink = sum;
+  (void)sink;
+  return static_cast<double>(iters) * kChains * 2;
+}
+
+bool Supports(KernelPath path) {
+  const std::vector<KernelPath> paths = SupportedKernelPaths();
+  return std::find(paths.begin(), paths.end(), path) != paths.end();
+}
+
+}  // namespace
+
+Peak MeasurePeak(DType dtype, int threads, double seconds) {
+  Peak peak;
+  peak.threads = std::max(1, threads);
+  double (*loop)(int64_t) = PortableFma;
+  peak.method = "portable scalar fma";
+  if (dtype == DType::kBF16 && Supports(KernelPath::kAvx512Bf16)) {
+    loop = peak_detail::DpBf16Avx512;
+    peak.method = "avx512 dpbf16_ps";
+  } else if (Supports(KernelPath::kAvx512) || Supports(KernelPath::kAvx512Bf16)) {
+    loop = peak_detail::FmaF32Avx512;
+    peak.method = "avx512 fmadd_ps";
+  }
+  loop(1000);  // warm up: page in the code, let the clock ramp
+
+  // Every thread runs chunks until the deadline; FLOPs over wall time.
+  constexpr int64_t kChunk = 1 << 18;
+  std::atomic<bool> go{false};
+  std::vector<double> flops(static_cast<size_t>(peak.threads), 0.0);
+  std::vector<std::thread> pool;
+  const auto duration = std::chrono::duration<double>(seconds);
+  std::chrono::steady_clock::time_point start;
+  for (int t = 0; t < peak.threads; ++t) {
+    pool.emplace_back([&, t] {
+      while (!go.load(std::memory_order_acquire)) std::this_thread::yield();
+      const auto deadline = start + duration;
+      double f = 0;
+      while (std::chrono::steady_clock::now() < deadline) f += loop(kChunk);
+      flops[t] = f;
+    });
+  }
+  start = std::chrono::steady_clock::now();
+  go.store(true, std::memory_order_release);
+  for (std::thread& th : pool) th.join();
+  const double elapsed =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  double total = 0;
+  for (double f : flops) total += f;
+  peak.gflops = total / elapsed / 1e9;
+  return peak;
+}
+
+}  // namespace ringsplash::cli

@@ -1,0 +1,91 @@
+// Temporary output files, their commit by rename, and their removal on
+// error or on a terminating signal.
+#include "tools/pending_outputs.h"
+
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <csignal>
+#include <cstdio>
+#include <cstring>
+
+#include "ringsplash/error.h"
+
+namespace ringsplash::cli {
+namespace {
+
+// Paths the signal handler unlinks. Fixed storage: a handler may not
+// allocate. Slots are claimed with an atomic counter and cleared (first byte
+// zero) once a temporary is renamed or removed.
+constexpr int kMaxTemps = 32;
+constexpr size_t kMaxPath = 4096;
+char g_temp_paths[kMaxTemps][kMaxPath];
+std::atomic<int> g_temp_count{0};
+std::atomic<bool> g_handlers_installed{false};
+
+void RemoveTempsOnSignal(int sig) {
+  const int n = g_temp_count.load();
+  for (int i = 0; i < n && i < kMaxTemps; ++i) {
+    if (g_temp_paths[i][0] != '\0') ::unlink(g_temp_paths[i]);
+  }
+  std::signal(sig, SIG_DFL);
+  std::raise(sig);
+}
+
+void InstallHandlers() {
+  if (g_handlers_installed.exchange(true)) return;
+  for (int sig : {SIGINT, SIGTERM, SIGHUP}) std::signal(sig, RemoveTempsOnSignal);
+}
+
+void Track(const std::string& path) {
+  InstallHandlers();
+  const int i = g_temp_count.fetch_add(1);
+  Check(i < kMaxTemps && path.size() < kMaxPath, "too many or too long output paths");
+  std::memcpy(g_temp_paths[i], path.c_str(), path.size() + 1);
+}
+
+void Untrack(const std::string& path) {
+  const int n = g_temp_count.load();
+  for (int i = 0; i < n && i < kMaxTemps; ++i) {
+    if (path == g_temp_paths[i]) g_temp_paths[i][0] = '\0';
+  }
+}
+
+}  // namespace
+
+PendingOutputs::PendingOutputs(uint64_t token, bool owner) : token_(token), owner_(owner) {}
+
+PendingOutputs::~PendingOutputs() {
+  if (!owner_ || committed_) return;
+  for (const Entry& e : entries_) {
+    ::unlink(e.temp_path.c_str());
+    Untrack(e.temp_path);
+  }
+}
+
+std::string PendingOutputs::Add(const std::string& final_path) {
+  struct stat st {};
+  Check(!(::stat(final_path.c_str(), &st) == 0 && S_ISDIR(st.st_mode)), final_path,
+        ": is a directory; expected an output file name");
+  const size_t slash = final_path.rfind('/');
+  const std::string dir = slash == std::string::npos ? "" : final_path.substr(0, slash + 1);
+  const std::string base = slash == std::string::npos ? final_path : final_path.substr(slash + 1);
+  Entry e{final_path, dir + "." + base + "." + std::to_string(token_) + ".ringsplash-tmp"};
+  if (owner_) Track(e.temp_path);
+  entries_.push_back(e);
+  return e.temp_path;
+}
+
+void PendingOutputs::Commit() {
+  if (!owner_) return;
+  for (const Entry& e : entries_) {
+    if (std::rename(e.temp_path.c_str(), e.final_path.c_str()) != 0) {
+      Fail(e.final_path, ": cannot move the finished output into place: ", std::strerror(errno));
+    }
+    Untrack(e.temp_path);
+  }
+  committed_ = true;
+}
+
+}  // namespace ringsplash::cli
