@@ -278,10 +278,12 @@ class World {
     cv_.wait(lock, [&] { return copies_in_progress_ == 0; });
   }
 
+  // This rank's own failure: peers learn "rank R failed: <reason>", the rank
+  // itself throws the plain reason.
   [[noreturn]] void AbortAndThrow(std::unique_lock<std::mutex>& lock, int rank,
                                   const std::string& reason) {
     AbortLocked(lock, rank, reason);
-    ThrowFailure(lock);
+    throw Error(reason);
   }
 
   [[noreturn]] void ThrowFailure(std::unique_lock<std::mutex>& lock) {

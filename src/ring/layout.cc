@@ -7,6 +7,7 @@
 
 #include "ringsplash/error.h"
 #include "ringsplash/ring.h"
+#include "src/ring/ring_internal.h"
 
 namespace ringsplash {
 
@@ -85,6 +86,23 @@ std::vector<int64_t> CheckShardPair(const char* fn, Layout layout, int rank, int
 }
 
 }  // namespace
+
+namespace ring_internal {
+
+void CopyElements(const TensorView& src, const TensorView& dst) {
+  Check(src.ndim == dst.ndim && src.ndim >= 1 && src.dtype == dst.dtype,
+        "CopyElements: ", src.Describe(), " and ", dst.Describe(),
+        " must have the same dtype and dims");
+  for (int i = 0; i < src.ndim; ++i) {
+    Check(src.shape[i] == dst.shape[i], "CopyElements: shapes differ: ", src.Describe(), " vs ",
+          dst.Describe());
+  }
+  std::vector<int64_t> identity(static_cast<size_t>(src.shape[0]));
+  for (int64_t i = 0; i < src.shape[0]; ++i) identity[i] = i;
+  CopyMappedRows(dst, src, 0, identity, /*to_global=*/false);
+}
+
+}  // namespace ring_internal
 
 const char* LayoutName(Layout layout) {
   switch (layout) {

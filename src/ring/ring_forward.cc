@@ -1,0 +1,120 @@
+// Ring attention forward (SPEC §4) on one rank.
+//
+// Data flow on rank r of N, step t = 0..N-1 (src = (r - t) mod N):
+//   slice[t % 2]  holds src's packed [k | v | kv_seg] (see SliceLayout)
+//   StartShift(slice[t % 2] -> rank r+1, slice[(t+1) % 2] <- rank r-1)  (t < N-1)
+//   FlashForward(local q vs that slice, masks on GLOBAL positions of both)
+//       -> part_out [B, Sq, H, Dv] f32, part_lse [B, H, Sq] f32
+//   MergePartial into out_acc/lse_acc (f32)
+//   Wait(shift)   — the transfer ran while the kernel computed
+// then ApplySinks once per row and convert into the caller's out/lse.
+// The slice shifted at step t is the one computed at step t: it is only read
+// by the kernel, so sending and computing on it at once is safe, and the
+// receive goes into the other buffer, whose own send finished (Wait) at the
+// end of step t-1.
+#include <chrono>
+#include <cmath>
+#include <exception>
+#include <limits>
+
+#include "ringsplash/error.h"
+#include "ringsplash/ring.h"
+#include "src/kernels/combine.h"
+#include "src/kernels/flash.h"
+#include "src/kernels/thread_pool.h"
+#include "src/ring/ring_internal.h"
+
+namespace ringsplash {
+
+namespace {
+
+using ring_internal::RingSetup;
+using ring_internal::SecondsSince;
+using ring_internal::SliceLayout;
+using Clock = std::chrono::steady_clock;
+
+// Buffers that transfers may still touch. They are owned by the caller of
+// ForwardSteps so that, when a step throws, they stay alive until
+// comm.Abort() has stopped every transfer into or out of them.
+struct ForwardScratch {
+  Tensor slices[2];
+};
+
+void ForwardSteps(Communicator& comm, const RingSetup& s, const AttentionInputs& local,
+                  const TensorView& out, const TensorView& lse, ForwardScratch& scratch,
+                  RankStats* stats) {
+  const kernels::AttentionDims& d = s.dims;
+  const int n = s.num_ranks;
+  const SliceLayout layout(d, local.k.dtype, local.kv_segments.defined());
+  for (Tensor& t : scratch.slices) t = ring_internal::ByteBuffer(layout.bytes);
+  layout.Pack(local, scratch.slices[0].data());
+
+  // f32 accumulators: (out, lse) over the slices seen so far; step 0 writes
+  // them directly, later steps merge a partial result into them.
+  Tensor out_acc(DType::kF32, {d.b, d.sq, d.h, d.dv});
+  Tensor lse_acc(DType::kF32, {d.b, d.h, d.sq});
+  Tensor part_out(DType::kF32, {d.b, d.sq, d.h, d.dv});
+  Tensor part_lse(DType::kF32, {d.b, d.h, d.sq});
+  kernels::ThreadPool pool(s.num_threads);
+
+  for (int t = 0; t < n; ++t) {
+    const int src = ((s.rank - t) % n + n) % n;
+    void* cur = scratch.slices[t % 2].data();
+    void* next = scratch.slices[(t + 1) % 2].data();
+    Communicator::Handle shift = -1;
+    if (t < n - 1) shift = comm.StartShift(cur, next, layout.bytes);
+    ring_internal::MaybeInjectFault(comm, s, t, /*backward=*/false);
+
+    RingStepStats step;
+    step.source_rank = src;
+    const Clock::time_point c0 = Clock::now();
+    const kernels::FlashParams params = s.StepParams(layout, cur, src);
+    if (t == 0) {
+      kernels::FlashForward(params, pool, out_acc.data_as<float>(), lse_acc.data_as<float>(),
+                            &step.kernel);
+    } else {
+      kernels::FlashForward(params, pool, part_out.data_as<float>(), part_lse.data_as<float>(),
+                            &step.kernel);
+      kernels::MergePartial(s.Rows(), out_acc.data_as<float>(), lse_acc.data_as<float>(),
+                            part_out.data_as<float>(), part_lse.data_as<float>());
+    }
+    step.compute_seconds = SecondsSince(c0);
+    if (shift >= 0) {
+      const Clock::time_point w0 = Clock::now();
+      comm.Wait(shift);
+      step.comm_wait_seconds = SecondsSince(w0);
+    }
+    if (stats != nullptr) stats->forward_steps.push_back(step);
+  }
+  // Sinks join each row's denominator once, after every slice was merged.
+  if (!s.sinks.empty()) {
+    kernels::ApplySinks(s.Rows(), out_acc.data_as<float>(), lse_acc.data_as<float>(),
+                        s.sinks.data());
+  }
+  CopyConvert(out_acc.view(), out);
+  CopyConvert(lse_acc.view(), lse);
+}
+
+}  // namespace
+
+void RingAttentionForward(Communicator& comm, const AttentionInputs& local,
+                          const RingOptions& options, TensorView out, TensorView lse,
+                          RankStats* stats) {
+  ForwardScratch scratch;  // outlives the try: see ForwardScratch
+  try {
+    const RingSetup s = ring_internal::PrepareRing(comm, local, options);
+    kernels::ValidateForwardOutputs(s.dims, local.q.dtype, out, lse);
+    if (stats != nullptr) {
+      stats->rank = s.rank;
+      stats->forward_steps.clear();
+    }
+    ForwardSteps(comm, s, local, out, lse, scratch, stats);
+  } catch (const std::exception& e) {
+    // Peers must not wait for a rank that gave up (no-op if a peer failed
+    // first or the fault injection already aborted).
+    comm.Abort(e.what());
+    throw;
+  }
+}
+
+}  // namespace ringsplash

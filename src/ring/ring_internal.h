@@ -1,0 +1,85 @@
+// Internal pieces shared by the ring forward and backward: argument checks,
+// the packed layout of a travelling key/value slice, per-step positions and
+// kernel parameters, and the fault-injection hook.
+#ifndef RINGSPLASH_RING_RING_INTERNAL_H_
+#define RINGSPLASH_RING_RING_INTERNAL_H_
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+#include "ringsplash/attention.h"
+#include "ringsplash/comm.h"
+#include "ringsplash/ring.h"
+#include "ringsplash/tensor.h"
+#include "src/kernels/combine.h"
+#include "src/kernels/flash.h"
+#include "src/kernels/validate.h"
+
+namespace ringsplash::ring_internal {
+
+// Copies src into dst elementwise: same dtype and shape, any strides, any
+// dtype (i32 segment ids are copied bit-exactly, unlike CopyConvert).
+void CopyElements(const TensorView& src, const TensorView& dst);
+
+// What one travelling slice holds, packed in ONE contiguous buffer so a ring
+// step is a single transfer. K/V keep their Hkv heads (never replicated):
+//   k   [B, Skv, Hkv, D]   dtype of the inputs
+//   v   [B, Skv, Hkv, Dv]  dtype of the inputs
+//   seg [B, Skv]           i32, only with segment ids
+// Each section starts on a 64-byte boundary.
+struct SliceLayout {
+  kernels::AttentionDims dims;  // local sizes (skv = rows of the slice)
+  DType dtype = DType::kF32;
+  bool has_segments = false;
+  size_t k_offset = 0, v_offset = 0, seg_offset = 0, bytes = 0;
+
+  SliceLayout(const kernels::AttentionDims& d, DType dt, bool segments);
+  TensorView K(void* base) const;
+  TensorView V(void* base) const;
+  TensorView Segments(void* base) const;  // undefined without segment ids
+  // Copies this rank's own k, v (and kv segment ids) into `base`.
+  void Pack(const AttentionInputs& local, void* base) const;
+};
+
+// A byte buffer of `bytes`, 64-byte aligned, zero-filled.
+Tensor ByteBuffer(size_t bytes);
+
+// Everything fixed for one rank's ring call.
+struct RingSetup {
+  int rank = 0;
+  int num_ranks = 1;
+  kernels::AttentionDims dims;  // LOCAL sizes
+  int64_t sq_global = 0, skv_global = 0;
+  std::vector<int64_t> q_pos;                // global positions of the local q rows
+  std::vector<std::vector<int64_t>> kv_pos;  // [source rank] global positions of its kv rows
+  kernels::FlashParams params;               // q side filled; k/v/kv_segments per step
+  std::vector<float> sinks;                  // [H] contiguous copy, empty without sinks
+  int num_threads = 1;
+  std::optional<FaultSpec> fault;
+
+  // The key/value slice of `source` lives in `slice` (packed per `layout`).
+  kernels::FlashParams StepParams(const SliceLayout& layout, void* slice, int source) const;
+  kernels::RowShape Rows() const { return {dims.b, dims.sq, dims.h, dims.dv}; }
+};
+
+// Validates the local inputs and options as the single-device entry points
+// do, plus the ring's own rules (no explicit positions, lengths divisible per
+// layout, dense masks covering the GLOBAL extent) and fills the setup.
+RingSetup PrepareRing(const Communicator& comm, const AttentionInputs& local,
+                      const RingOptions& options);
+
+// Throws Error("injected fault at rank R step S") — after telling the peers
+// through comm.Abort — when the fault spec names this rank, step and pass.
+void MaybeInjectFault(Communicator& comm, const RingSetup& setup, int step, bool backward);
+
+// Wall-clock seconds since `start`.
+inline double SecondsSince(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+}  // namespace ringsplash::ring_internal
+
+#endif  // RINGSPLASH_RING_RING_INTERNAL_H_

@@ -1,0 +1,101 @@
+// RingAttentionThreads: the whole ring in one process — shard global tensors
+// per layout, run every rank as a thread (threads communicator), gather the
+// results back into the caller's global tensors.
+#include <vector>
+
+#include "ringsplash/error.h"
+#include "ringsplash/ring.h"
+#include "src/kernels/validate.h"
+#include "src/ring/ring_internal.h"
+
+namespace ringsplash {
+
+namespace {
+
+// A C-order tensor of `global`'s dtype and shape, except `rows` in dim 1.
+Tensor LocalLike(const TensorView& global, int64_t rows) {
+  std::vector<int64_t> shape(global.shape.begin(), global.shape.begin() + global.ndim);
+  shape[1] = rows;
+  return Tensor(global.dtype, shape);
+}
+
+// The rank's shard of `global` along dim 1 (undefined stays undefined).
+Tensor Shard(Layout layout, int rank, int n, const TensorView& global) {
+  if (!global.defined()) return Tensor();
+  Tensor local = LocalLike(global, global.shape[1] / n);
+  ShardSequence(layout, rank, n, global, local.view());
+  return local;
+}
+
+TensorView ViewOrEmpty(const Tensor& t) { return t.data() ? t.view() : TensorView{}; }
+
+}  // namespace
+
+std::vector<RankStats> RingAttentionThreads(const RingRun& run, const AttentionInputs& global,
+                                            TensorView out, TensorView lse, TensorView dout,
+                                            TensorView dq, TensorView dk, TensorView dv,
+                                            TensorView dsinks) {
+  const int n = run.num_ranks;
+  Check(n >= 1, "RingRun::num_ranks must be >= 1, got ", n);
+  Check(global.q_positions.empty() && global.kv_positions.empty(),
+        "ring: q_positions and kv_positions must be empty (the ring derives global positions "
+        "from the layout)");
+  // Check everything on the global problem first, so argument errors read as
+  // such rather than as "rank 0 failed: ...".
+  const kernels::AttentionDims dims =
+      kernels::ValidateInputsAndOptions(global, run.options.attention);
+  kernels::ValidateForwardOutputs(dims, global.q.dtype, out, lse);
+  const bool backward = dout.defined();
+  if (backward) {
+    kernels::ValidateBackwardArgs(dims, global, out, lse, dout, dq, dk, dv, dsinks);
+  }
+  const Layout layout = run.options.layout;
+  LayoutPositions(layout, dims.sq, 0, n, "q sequence length");
+  LayoutPositions(layout, dims.skv, 0, n, "kv sequence length");
+
+  std::vector<RankStats> stats(static_cast<size_t>(n));
+  RunThreadRanks(n, run.comm, [&](Communicator& comm) {
+    const int r = comm.rank();
+    const Tensor q = Shard(layout, r, n, global.q);
+    const Tensor k = Shard(layout, r, n, global.k);
+    const Tensor v = Shard(layout, r, n, global.v);
+    const Tensor q_seg = Shard(layout, r, n, global.q_segments);
+    const Tensor kv_seg = Shard(layout, r, n, global.kv_segments);
+    AttentionInputs local;
+    local.q = q.view();
+    local.k = k.view();
+    local.v = v.view();
+    local.sinks = global.sinks;
+    local.q_segments = ViewOrEmpty(q_seg);
+    local.kv_segments = ViewOrEmpty(kv_seg);
+
+    Tensor out_l = LocalLike(out, dims.sq / n);
+    Tensor lse_l(DType::kF32, {dims.b, dims.h, dims.sq / n});
+    RankStats& st = stats[static_cast<size_t>(r)];
+    RingAttentionForward(comm, local, run.options, out_l.view(), lse_l.view(), &st);
+    GatherSequence(layout, r, n, out_l.view(), out, 1);
+    GatherSequence(layout, r, n, lse_l.view(), lse, 2);
+    if (!backward) return;
+
+    const Tensor dout_l = Shard(layout, r, n, dout);
+    Tensor dq_l = LocalLike(dq, dims.sq / n);
+    Tensor dk_l = LocalLike(dk, dims.skv / n);
+    Tensor dv_l = LocalLike(dv, dims.skv / n);
+    // dsinks is global and identical on every rank: rank 0 writes the
+    // caller's, the others a scratch copy.
+    Tensor dsinks_scratch;
+    TensorView ds = dsinks;
+    if (dsinks.defined() && r != 0) {
+      dsinks_scratch = Tensor(DType::kF32, {dims.h});
+      ds = dsinks_scratch.view();
+    }
+    RingAttentionBackward(comm, local, run.options, out_l.view(), lse_l.view(), dout_l.view(),
+                          dq_l.view(), dk_l.view(), dv_l.view(), ds, &st);
+    GatherSequence(layout, r, n, dq_l.view(), dq, 1);
+    GatherSequence(layout, r, n, dk_l.view(), dk, 1);
+    GatherSequence(layout, r, n, dv_l.view(), dv, 1);
+  });
+  return stats;
+}
+
+}  // namespace ringsplash

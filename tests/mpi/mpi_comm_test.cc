@@ -1,0 +1,155 @@
+// The MPI communicator backend, run under mpirun (every rank runs every test
+// in the same order). Checks ring shifts with several transfers in flight,
+// the all-reduce (identical bits on every rank), the barrier, and MEASURES how
+// much of a transfer hides behind compute (printed, not asserted: timing on a
+// shared machine is not a pass/fail criterion).
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "ringsplash/comm.h"
+#include "ringsplash/error.h"
+
+namespace ringsplash {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double Since(Clock::time_point t) {
+  return std::chrono::duration<double>(Clock::now() - t).count();
+}
+
+Communicator& Comm() {
+  static std::unique_ptr<Communicator> comm = [] {
+    CommOptions opt;
+    opt.timeout_s = 60;
+    return MakeMpiCommunicator(opt);
+  }();
+  return *comm;
+}
+
+int32_t Payload(int origin, int stream, int i) { return origin * 1000003 + stream * 1009 + i; }
+
+TEST(MpiCommTest, Basics) {
+  EXPECT_TRUE(MpiAvailable());
+  EXPECT_STREQ(Comm().backend(), "mpi");
+  EXPECT_GE(Comm().rank(), 0);
+  EXPECT_LT(Comm().rank(), Comm().size());
+}
+
+TEST(MpiCommTest, SeveralShiftsInFlightDeliverInOrder) {
+  Communicator& comm = Comm();
+  const int n = comm.size(), r = comm.rank();
+  constexpr int kInFlight = 3, kRounds = 4, kLen = 100003;  // ~400 KB: rendezvous path
+  std::vector<std::vector<int32_t>> cur(kInFlight, std::vector<int32_t>(kLen));
+  std::vector<std::vector<int32_t>> nxt(kInFlight, std::vector<int32_t>(kLen, -1));
+  for (int j = 0; j < kInFlight; ++j)
+    for (int i = 0; i < kLen; ++i) cur[j][i] = Payload(r, j, i);
+  for (int round = 1; round <= kRounds; ++round) {
+    std::vector<Communicator::Handle> handles;
+    for (int j = 0; j < kInFlight; ++j)
+      handles.push_back(comm.StartShift(cur[j].data(), nxt[j].data(), kLen * sizeof(int32_t)));
+    for (Communicator::Handle h : handles) comm.Wait(h);
+    std::swap(cur, nxt);
+    const int origin = ((r - round) % n + n) % n;
+    for (int j = 0; j < kInFlight; ++j)
+      for (int i = 0; i < kLen; ++i) ASSERT_EQ(cur[j][i], Payload(origin, j, i));
+  }
+}
+
+TEST(MpiCommTest, ZeroByteShift) { Comm().Wait(Comm().StartShift(nullptr, nullptr, 0)); }
+
+TEST(MpiCommTest, AllReduceSumIsIdenticalEverywhere) {
+  Communicator& comm = Comm();
+  const int n = comm.size(), r = comm.rank();
+  auto contrib = [](int rank) {
+    return std::vector<float>{1.0f + rank, 1e8f * (rank % 2 ? 1 : -1), 0.1f * (rank + 1)};
+  };
+  std::vector<float> data = contrib(r);
+  comm.AllReduceSum(data.data(), data.size());
+  // Summed in rank order on every rank: the exact float result is known.
+  std::vector<float> expect = contrib(0);
+  for (int q = 1; q < n; ++q)
+    for (size_t i = 0; i < expect.size(); ++i) expect[i] += contrib(q)[i];
+  EXPECT_EQ(data, expect);
+  comm.Barrier();
+}
+
+TEST(MpiCommTest, WaitOnUnknownHandleIsAnError) { EXPECT_THROW(Comm().Wait(123456789), Error); }
+
+// How much of a transfer hides behind compute that makes no MPI call (like a
+// kernel). Two kinds of "compute", each lasting 1.5x the measured transfer:
+//   spin:  a busy loop — competes for the cores with the transfer's copies
+//          (on an oversubscribed machine the copy then needs CPU time too);
+//   sleep: the rank's thread is off the CPU — isolates whether data moves at
+//          all while the rank is not inside MPI.
+// exposed = time still blocked in Wait afterwards; hidden = 1 - exposed/alone.
+// With the progress thread the transfer should hide; with
+// RINGSPLASH_MPI_PROGRESS=wait (the baseline: progress only inside Wait) it
+// cannot.
+void MeasureOverlap(bool spin) {
+  Communicator& comm = Comm();
+  const size_t bytes = size_t{64} << 20;
+  std::vector<char> send(bytes, static_cast<char>(comm.rank())), recv(bytes);
+  auto transfer = [&] {
+    comm.Barrier();
+    const Clock::time_point t = Clock::now();
+    comm.Wait(comm.StartShift(send.data(), recv.data(), bytes));
+    return Since(t);
+  };
+  transfer();  // warm-up (registration, page faults)
+  double alone = 1e9;
+  for (int i = 0; i < 3; ++i) alone = std::min(alone, transfer());
+  // Every rank uses the same compute time (rank 0's), so they stay in step.
+  float compute_s = static_cast<float>(1.5 * alone);
+  if (comm.rank() != 0) compute_s = 0;
+  comm.AllReduceSum(&compute_s, 1);
+  double exposed_sum = 0;
+  constexpr int kReps = 3;
+  for (int i = 0; i < kReps; ++i) {
+    comm.Barrier();
+    const Communicator::Handle h = comm.StartShift(send.data(), recv.data(), bytes);
+    const Clock::time_point t = Clock::now();
+    if (spin) {
+      volatile double sink = 0;
+      while (Since(t) < compute_s) sink = sink + 1.0;
+    } else {
+      std::this_thread::sleep_for(std::chrono::duration<double>(compute_s));
+    }
+    const Clock::time_point w = Clock::now();
+    comm.Wait(h);
+    exposed_sum += Since(w);
+  }
+  const double exposed = exposed_sum / kReps;
+  const int expected_from = (comm.rank() + comm.size() - 1) % comm.size();
+  EXPECT_EQ(recv[0], static_cast<char>(expected_from));
+  EXPECT_EQ(recv[bytes - 1], static_cast<char>(expected_from));
+  const char* mode = std::getenv("RINGSPLASH_MPI_PROGRESS");
+  std::printf(
+      "[ overlap ] rank %d/%d progress=%s compute=%s: %zu MB transfer alone %.2f ms; with "
+      "%.2f ms compute, exposed wait %.2f ms -> hidden %.0f%%\n",
+      comm.rank(), comm.size(), mode ? mode : "thread", spin ? "spin" : "sleep", bytes >> 20,
+      alone * 1e3, compute_s * 1e3, exposed * 1e3, 100.0 * std::max(0.0, 1.0 - exposed / alone));
+  std::fflush(stdout);
+}
+
+TEST(MpiCommTest, OverlapWithSleepingCompute) {
+  if (Comm().size() < 2) GTEST_SKIP() << "needs 2 ranks";
+  MeasureOverlap(/*spin=*/false);
+}
+
+TEST(MpiCommTest, OverlapWithSpinningCompute) {
+  if (Comm().size() < 2) GTEST_SKIP() << "needs 2 ranks";
+  MeasureOverlap(/*spin=*/true);
+}
+
+}  // namespace
+}  // namespace ringsplash
