@@ -313,13 +313,13 @@ std::string Errors::Describe() const {
 
 Errors ErrorsOf(const ApiResult& api, const RefResult& ref) {
   Errors e;
-  e.out = Compare(api.out, ref.fwd.out).Relative();
+  e.out = Compare(api.out, ref.fwd.out).Relative(kMagnitudeFloor);
   e.lse = Compare(api.lse, ref.fwd.lse).Relative(1.0);
   if (!ref.bwd.dq.empty() || !api.dq.empty()) {
-    e.dq = Compare(api.dq, ref.bwd.dq).Relative();
-    e.dk = Compare(api.dk, ref.bwd.dk).Relative();
-    e.dv = Compare(api.dv, ref.bwd.dv).Relative();
-    e.dsinks = Compare(api.dsinks, ref.bwd.dsinks).Relative();
+    e.dq = Compare(api.dq, ref.bwd.dq).Relative(kMagnitudeFloor);
+    e.dk = Compare(api.dk, ref.bwd.dk).Relative(kMagnitudeFloor);
+    e.dv = Compare(api.dv, ref.bwd.dv).Relative(kMagnitudeFloor);
+    e.dsinks = Compare(api.dsinks, ref.bwd.dsinks).Relative(kMagnitudeFloor);
   }
   return e;
 }
