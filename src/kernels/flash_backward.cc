@@ -29,10 +29,10 @@ using micro::RoundUp;
 
 // Every operand of the backward, packed as f32 once per call.
 struct Packed {
-  // Per (b, h, q block): Q [bq][dp] and dO [bq][dvp], zero padded.
+  // Per (b, h, q block): Q [bq][ld_d] and dO [bq][ld_dv], zero padded.
   int64_t q_elems = 0, do_elems = 0;
   AlignedBuffer<float> q, dout;
-  // Per (b, kv head, kv block): K^T [d][bkv], V^T [dv][bkv], K [bkv][dp].
+  // Per (b, kv head, kv block): K^T [d][ld_kv], V^T [dv][ld_kv], K [bkv][ld_d].
   int64_t kt_elems = 0, vt_elems = 0, k_elems = 0;
   AlignedBuffer<float> kt, vt, k;
 };
@@ -40,11 +40,11 @@ struct Packed {
 Packed PackAll(const FlashParams& p, const TensorView& dout, const Geometry& g, ThreadPool& pool) {
   Packed pk;
   const int64_t q_tiles = g.b * g.h * g.nqb, kv_tiles = g.b * g.hkv * g.nkvb;
-  pk.q_elems = g.bq * g.dp;
-  pk.do_elems = g.bq * g.dvp;
-  pk.kt_elems = g.d * g.bkv;
-  pk.vt_elems = g.dv * g.bkv;
-  pk.k_elems = g.bkv * g.dp;
+  pk.q_elems = g.bq * g.ld_d;
+  pk.do_elems = g.bq * g.ld_dv;
+  pk.kt_elems = g.d * g.ld_kv;
+  pk.vt_elems = g.dv * g.ld_kv;
+  pk.k_elems = g.bkv * g.ld_d;
   pk.q.Resize(static_cast<size_t>(q_tiles * pk.q_elems));
   pk.dout.Resize(static_cast<size_t>(q_tiles * pk.do_elems));
   pk.kt.Resize(static_cast<size_t>(kv_tiles * pk.kt_elems));
@@ -54,18 +54,18 @@ Packed PackAll(const FlashParams& p, const TensorView& dout, const Geometry& g, 
     if (t < q_tiles) {
       const int64_t qb = t % g.nqb, h = (t / g.nqb) % g.h, b = t / (g.nqb * g.h);
       const int64_t m = g.QRows(qb);
-      PackRowsF32(Slab{&p.q, b, h, qb * g.bq, m, g.d}, pk.q.data() + t * pk.q_elems, g.dp, m);
-      PackRowsF32(Slab{&dout, b, h, qb * g.bq, m, g.dv}, pk.dout.data() + t * pk.do_elems, g.dvp,
+      PackRowsF32(Slab{&p.q, b, h, qb * g.bq, m, g.d}, pk.q.data() + t * pk.q_elems, g.ld_d, m);
+      PackRowsF32(Slab{&dout, b, h, qb * g.bq, m, g.dv}, pk.dout.data() + t * pk.do_elems, g.ld_dv,
                   m);
     } else {
       t -= q_tiles;
       const int64_t kvb = t % g.nkvb, kh = (t / g.nkvb) % g.hkv, b = t / (g.nkvb * g.hkv);
       const int64_t n = g.KvRows(kvb);
       const Slab ks{&p.k, b, kh, kvb * g.bkv, n, g.d};
-      PackTransposedF32(ks, pk.kt.data() + t * pk.kt_elems, g.bkv);
+      PackTransposedF32(ks, pk.kt.data() + t * pk.kt_elems, g.ld_kv);
       PackTransposedF32(Slab{&p.v, b, kh, kvb * g.bkv, n, g.dv}, pk.vt.data() + t * pk.vt_elems,
-                        g.bkv);
-      PackRowsF32(ks, pk.k.data() + t * pk.k_elems, g.dp, n);
+                        g.ld_kv);
+      PackRowsF32(ks, pk.k.data() + t * pk.k_elems, g.ld_d, n);
     }
   });
   return pk;
@@ -75,14 +75,14 @@ struct Scratch {
   AlignedBuffer<float> s, dp, deriv, acc_a, acc_b;
   AlignedBuffer<uint8_t> mask;
   explicit Scratch(const Geometry& g) {
-    const size_t tile = static_cast<size_t>(g.bq * g.bkv);
+    const size_t tile = static_cast<size_t>(g.bq * g.ld_kv);
     s.Resize(tile);
     dp.Resize(tile);
     deriv.Resize(tile);
     mask.Resize(tile);
-    // Pass 1: dK [bkv][dp] and dV [bkv][dvp]; pass 2: dQ [bq][dp].
-    acc_a.Resize(static_cast<size_t>(std::max(g.bkv, g.bq) * g.dp));
-    acc_b.Resize(static_cast<size_t>(g.bkv * g.dvp));
+    // Pass 1: dK [bkv][ld_d] and dV [bkv][ld_dv]; pass 2: dQ [bq][ld_d].
+    acc_a.Resize(static_cast<size_t>(std::max(g.bkv, g.bq) * g.ld_d));
+    acc_b.Resize(static_cast<size_t>(g.bkv * g.ld_dv));
   }
 };
 
@@ -95,11 +95,12 @@ struct TileOperands {
 void ProbsAndDs(const micro::MicroKernels& mk, const FlashParams& p, const Geometry& g, int64_t m,
                 int64_t n, const TileOperands& t, Scratch& sc) {
   const int64_t n16 = RoundUp(n, micro::kVec);
-  mk.gemm_f32(m, n16, g.d, t.q, g.dp, 1, t.kt, g.bkv, sc.s.data(), g.bkv, nullptr, false);
-  mk.probs_backward(m, n, sc.s.data(), g.bkv, t.mask, g.bkv, p.scale, p.softcap, t.lse,
+  mk.gemm_f32(m, n16, g.d, t.q, g.ld_d, 1, t.kt, g.ld_kv, sc.s.data(), g.ld_kv, nullptr, false);
+  mk.probs_backward(m, n, sc.s.data(), g.ld_kv, t.mask, g.ld_kv, p.scale, p.softcap, t.lse,
                     sc.deriv.data());
-  mk.gemm_f32(m, n16, g.dv, t.dout, g.dvp, 1, t.vt, g.bkv, sc.dp.data(), g.bkv, nullptr, false);
-  mk.ds_backward(m, n, sc.s.data(), sc.dp.data(), g.bkv, t.delta,
+  mk.gemm_f32(m, n16, g.dv, t.dout, g.ld_dv, 1, t.vt, g.ld_kv, sc.dp.data(), g.ld_kv, nullptr,
+              false);
+  mk.ds_backward(m, n, sc.s.data(), sc.dp.data(), g.ld_kv, t.delta,
                  p.softcap > 0.0f ? sc.deriv.data() : nullptr, p.scale);
 }
 
@@ -142,8 +143,8 @@ void FlashBackward(const FlashParams& p, ThreadPool& pool, const TensorView& dou
       WorkerStats& st = wstats[static_cast<size_t>(worker)];
       float* dk = sc.acc_a.data();
       float* dv = sc.acc_b.data();
-      std::memset(dk, 0, static_cast<size_t>(n * g.dp) * sizeof(float));
-      std::memset(dv, 0, static_cast<size_t>(n * g.dvp) * sizeof(float));
+      std::memset(dk, 0, static_cast<size_t>(n * g.ld_d) * sizeof(float));
+      std::memset(dv, 0, static_cast<size_t>(n * g.ld_dv) * sizeof(float));
       for (int64_t h = kh * g.group; h < (kh + 1) * g.group; ++h) {
         for (const mask::BlockRun& run : plan.map().Runs(h, kvb)) {
           for (int64_t qb = run.begin; qb < run.end; ++qb) {
@@ -152,15 +153,16 @@ void FlashBackward(const FlashParams& p, ThreadPool& pool, const TensorView& dou
             const int64_t m = g.QRows(qb);
             const uint8_t* mask = nullptr;
             if (kind == BlockKind::kPartial) {
-              plan.FillMask(run.kind, h, b, qb, kvb, sc.mask.data(), g.bkv);
+              plan.FillMask(run.kind, h, b, qb, kvb, sc.mask.data(), g.ld_kv);
               mask = sc.mask.data();
             }
             const TileOperands t = operands(b, h, qb, kvb, mask);
             ProbsAndDs(mk, p, g, m, n, t, sc);
             // dV += P^T dO and dK += dS^T Q: A = P^T / dS^T read transposed.
-            mk.gemm_f32(n, g.dvp, m, sc.s.data(), 1, g.bkv, t.dout, g.dvp, dv, g.dvp, nullptr,
+            mk.gemm_f32(n, g.dvp, m, sc.s.data(), 1, g.ld_kv, t.dout, g.ld_dv, dv, g.ld_dv, nullptr,
                         true);
-            mk.gemm_f32(n, g.dp, m, sc.dp.data(), 1, g.bkv, t.q, g.dp, dk, g.dp, nullptr, true);
+            mk.gemm_f32(n, g.dp, m, sc.dp.data(), 1, g.ld_kv, t.q, g.ld_d, dk, g.ld_d, nullptr,
+                        true);
             st.flops += 4 * m * n * (g.d + g.dv);
           }
         }
@@ -169,8 +171,8 @@ void FlashBackward(const FlashParams& p, ThreadPool& pool, const TensorView& dou
         const int64_t row = (b * g.skv + kvb * g.bkv + j) * g.hkv + kh;
         float* dk_row = dk_acc + row * g.d;
         float* dv_row = dv_acc + row * g.dv;
-        for (int64_t c = 0; c < g.d; ++c) dk_row[c] += dk[j * g.dp + c];
-        for (int64_t c = 0; c < g.dv; ++c) dv_row[c] += dv[j * g.dvp + c];
+        for (int64_t c = 0; c < g.d; ++c) dk_row[c] += dk[j * g.ld_d + c];
+        for (int64_t c = 0; c < g.dv; ++c) dv_row[c] += dv[j * g.ld_dv + c];
       }
     });
   }
@@ -184,7 +186,7 @@ void FlashBackward(const FlashParams& p, ThreadPool& pool, const TensorView& dou
       Scratch& sc = scratch[static_cast<size_t>(worker)];
       WorkerStats& st = wstats[static_cast<size_t>(worker)];
       float* dq = sc.acc_a.data();
-      std::memset(dq, 0, static_cast<size_t>(m * g.dp) * sizeof(float));
+      std::memset(dq, 0, static_cast<size_t>(m * g.ld_d) * sizeof(float));
       int64_t computed = 0;
       for (const mask::BlockRun& run : plan.map().Runs(h, qb)) {
         for (int64_t kvb = run.begin; kvb < run.end; ++kvb) {
@@ -193,13 +195,13 @@ void FlashBackward(const FlashParams& p, ThreadPool& pool, const TensorView& dou
           const int64_t n = g.KvRows(kvb);
           const uint8_t* mask = nullptr;
           if (kind == BlockKind::kPartial) {
-            plan.FillMask(run.kind, h, b, qb, kvb, sc.mask.data(), g.bkv);
+            plan.FillMask(run.kind, h, b, qb, kvb, sc.mask.data(), g.ld_kv);
             mask = sc.mask.data();
           }
           ProbsAndDs(mk, p, g, m, n, operands(b, h, qb, kvb, mask), sc);
           const int64_t kt = (b * g.hkv + h / g.group) * g.nkvb + kvb;
-          mk.gemm_f32(m, g.dp, n, sc.dp.data(), g.bkv, 1, pk.k.data() + kt * pk.k_elems, g.dp, dq,
-                      g.dp, nullptr, true);
+          mk.gemm_f32(m, g.dp, n, sc.dp.data(), g.ld_kv, 1, pk.k.data() + kt * pk.k_elems, g.ld_d,
+                      dq, g.ld_d, nullptr, true);
           ++computed;
           (kind == BlockKind::kFull ? st.full : st.partial) += 1;
           st.flops += 2 * m * n * (2 * g.d + g.dv);
@@ -209,7 +211,7 @@ void FlashBackward(const FlashParams& p, ThreadPool& pool, const TensorView& dou
       st.skipped += g.nkvb - computed;
       for (int64_t i = 0; i < m; ++i) {
         float* dq_row = dq_acc + ((b * g.sq + qb * g.bq + i) * g.h + h) * g.d;
-        for (int64_t c = 0; c < g.d; ++c) dq_row[c] += dq[i * g.dp + c];
+        for (int64_t c = 0; c < g.d; ++c) dq_row[c] += dq[i * g.ld_d + c];
       }
     });
   }

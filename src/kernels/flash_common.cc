@@ -25,6 +25,9 @@ Geometry Geometry::Of(const FlashParams& p) {
   g.nkvb = (g.skv + g.bkv - 1) / g.bkv;
   g.dp = micro::RoundUp(g.d, micro::kVec);
   g.dvp = micro::RoundUp(g.dv, micro::kVec);
+  g.ld_kv = micro::PaddedLd(g.bkv);
+  g.ld_d = micro::PaddedLd(g.d);
+  g.ld_dv = micro::PaddedLd(g.dv);
   return g;
 }
 

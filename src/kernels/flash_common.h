@@ -21,6 +21,8 @@ struct Geometry {
   int64_t bq = 0, bkv = 0;  // block sizes (bkv a multiple of micro::kVec)
   int64_t nqb = 0, nkvb = 0;
   int64_t dp = 0, dvp = 0;  // D, Dv rounded up to micro::kVec
+  // Leading dimensions (micro::PaddedLd) of tiles with bkv, D and Dv columns.
+  int64_t ld_kv = 0, ld_d = 0, ld_dv = 0;
   static Geometry Of(const FlashParams& p);
   int64_t QRows(int64_t qb) const;    // rows of q block qb (ragged last block)
   int64_t KvRows(int64_t kvb) const;  // rows of kv block kvb

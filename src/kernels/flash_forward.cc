@@ -40,13 +40,13 @@ PackedKv PackKv(const FlashParams& p, const Geometry& g, bool bf16, ThreadPool& 
   pk.bf16 = bf16;
   const int64_t tiles = g.b * g.hkv * g.nkvb;
   if (bf16) {
-    pk.kt_elems = RoundUp(g.d, 2) * g.bkv;  // [d2 / 2][bkv][2]
-    pk.v_elems = g.bkv * g.dvp;             // [bkv / 2][dvp][2]
+    pk.kt_elems = RoundUp(g.d, 2) * g.ld_kv;  // [d2 / 2][ld_kv][2]
+    pk.v_elems = g.bkv * g.ld_dv;             // [bkv / 2][ld_dv][2]
     pk.kt_bf16.Resize(static_cast<size_t>(tiles * pk.kt_elems));
     pk.v_bf16.Resize(static_cast<size_t>(tiles * pk.v_elems));
   } else {
-    pk.kt_elems = g.d * g.bkv;   // [d][bkv]
-    pk.v_elems = g.bkv * g.dvp;  // [bkv][dvp]
+    pk.kt_elems = g.d * g.ld_kv;   // [d][ld_kv]
+    pk.v_elems = g.bkv * g.ld_dv;  // [bkv][ld_dv]
     pk.kt_f32.Resize(static_cast<size_t>(tiles * pk.kt_elems));
     pk.v_f32.Resize(static_cast<size_t>(tiles * pk.v_elems));
   }
@@ -56,11 +56,11 @@ PackedKv PackKv(const FlashParams& p, const Geometry& g, bool bf16, ThreadPool& 
     const Slab ks{&p.k, b, kh, kvb * g.bkv, n, g.d};
     const Slab vs{&p.v, b, kh, kvb * g.bkv, n, g.dv};
     if (bf16) {
-      PackTransposedBf16Pairs(ks, pk.kt_bf16.data() + t * pk.kt_elems, g.bkv);
-      PackRowsBf16Pairs(vs, pk.v_bf16.data() + t * pk.v_elems, g.dvp, g.bkv);
+      PackTransposedBf16Pairs(ks, pk.kt_bf16.data() + t * pk.kt_elems, g.ld_kv);
+      PackRowsBf16Pairs(vs, pk.v_bf16.data() + t * pk.v_elems, g.ld_dv, g.bkv);
     } else {
-      PackTransposedF32(ks, pk.kt_f32.data() + t * pk.kt_elems, g.bkv);
-      PackRowsF32(vs, pk.v_f32.data() + t * pk.v_elems, g.dvp, g.bkv);
+      PackTransposedF32(ks, pk.kt_f32.data() + t * pk.kt_elems, g.ld_kv);
+      PackRowsF32(vs, pk.v_f32.data() + t * pk.v_elems, g.ld_dv, g.bkv);
     }
   });
   return pk;
@@ -73,16 +73,16 @@ struct Scratch {
   Scratch(const Geometry& g, bool bf16) {
     if (bf16) {
       q_bf16.Resize(static_cast<size_t>(g.bq * RoundUp(g.d, 2)));
-      p_bf16.Resize(static_cast<size_t>(g.bq * g.bkv));
+      p_bf16.Resize(static_cast<size_t>(g.bq * g.ld_kv));
     } else {
       q.Resize(static_cast<size_t>(g.bq * g.d));
     }
-    s.Resize(static_cast<size_t>(g.bq * g.bkv));
-    acc.Resize(static_cast<size_t>(g.bq * g.dvp));
+    s.Resize(static_cast<size_t>(g.bq * g.ld_kv));
+    acc.Resize(static_cast<size_t>(g.bq * g.ld_dv));
     row_max.Resize(static_cast<size_t>(g.bq));
     row_sum.Resize(static_cast<size_t>(g.bq));
     alpha.Resize(static_cast<size_t>(g.bq));
-    mask.Resize(static_cast<size_t>(g.bq * g.bkv));
+    mask.Resize(static_cast<size_t>(g.bq * g.ld_kv));
   }
 };
 
@@ -128,7 +128,7 @@ void FlashForward(const FlashParams& p, ThreadPool& pool, float* out, float* lse
       sc.row_max[i] = kNegInf;
       sc.row_sum[i] = 0.0f;
     }
-    std::memset(sc.acc.data(), 0, static_cast<size_t>(m * g.dvp) * sizeof(float));
+    std::memset(sc.acc.data(), 0, static_cast<size_t>(m * g.ld_dv) * sizeof(float));
 
     int64_t computed = 0;
     for (const mask::BlockRun& run : plan.map().Runs(h, qb)) {
@@ -139,28 +139,28 @@ void FlashForward(const FlashParams& p, ThreadPool& pool, float* out, float* lse
         const int64_t tile = (b * g.hkv + kh) * g.nkvb + kvb;
         const uint8_t* mask = nullptr;
         if (kind == BlockKind::kPartial) {
-          plan.FillMask(run.kind, h, b, qb, kvb, sc.mask.data(), g.bkv);
+          plan.FillMask(run.kind, h, b, qb, kvb, sc.mask.data(), g.ld_kv);
           mask = sc.mask.data();
         }
         if (bf16) {
           mk.gemm_bf16(m, n16, d2 / 2, sc.q_bf16.data(), d2, kv.kt_bf16.data() + tile * kv.kt_elems,
-                       g.bkv, sc.s.data(), g.bkv, nullptr, false);
+                       g.ld_kv, sc.s.data(), g.ld_kv, nullptr, false);
         } else {
           mk.gemm_f32(m, n16, g.d, sc.q.data(), g.d, 1, kv.kt_f32.data() + tile * kv.kt_elems,
-                      g.bkv, sc.s.data(), g.bkv, nullptr, false);
+                      g.ld_kv, sc.s.data(), g.ld_kv, nullptr, false);
         }
-        mk.softmax_forward(m, n, sc.s.data(), g.bkv, mask, g.bkv, p.scale, p.softcap,
+        mk.softmax_forward(m, n, sc.s.data(), g.ld_kv, mask, g.ld_kv, p.scale, p.softcap,
                            sc.row_max.data(), sc.row_sum.data(), sc.alpha.data());
         if (bf16) {
           // P is rounded to bf16 for this product only (the row sums above
           // stay f32): the bf16 path's documented extra rounding.
-          mk.to_bf16(m, n, sc.s.data(), g.bkv, sc.p_bf16.data(), g.bkv);
-          mk.gemm_bf16(m, g.dvp, (n + 1) / 2, sc.p_bf16.data(), g.bkv,
-                       kv.v_bf16.data() + tile * kv.v_elems, g.dvp, sc.acc.data(), g.dvp,
+          mk.to_bf16(m, n, sc.s.data(), g.ld_kv, sc.p_bf16.data(), g.ld_kv);
+          mk.gemm_bf16(m, g.dvp, (n + 1) / 2, sc.p_bf16.data(), g.ld_kv,
+                       kv.v_bf16.data() + tile * kv.v_elems, g.ld_dv, sc.acc.data(), g.ld_dv,
                        sc.alpha.data(), true);
         } else {
-          mk.gemm_f32(m, g.dvp, n, sc.s.data(), g.bkv, 1, kv.v_f32.data() + tile * kv.v_elems,
-                      g.dvp, sc.acc.data(), g.dvp, sc.alpha.data(), true);
+          mk.gemm_f32(m, g.dvp, n, sc.s.data(), g.ld_kv, 1, kv.v_f32.data() + tile * kv.v_elems,
+                      g.ld_dv, sc.acc.data(), g.ld_dv, sc.alpha.data(), true);
         }
         ++computed;
         (kind == BlockKind::kFull ? st.full : st.partial) += 1;
@@ -176,7 +176,7 @@ void FlashForward(const FlashParams& p, ThreadPool& pool, float* out, float* lse
       float* o = out + ((b * g.sq + row) * g.h + h) * g.dv;
       const float l = sc.row_sum[i];
       if (l > 0.0f) {
-        const float* a = sc.acc.data() + i * g.dvp;
+        const float* a = sc.acc.data() + i * g.ld_dv;
         for (int64_t c = 0; c < g.dv; ++c) o[c] = a[c] / l;
         lse[(b * g.h + h) * g.sq + row] = sc.row_max[i] + std::log(l);
       } else {

@@ -21,6 +21,14 @@ namespace ringsplash::kernels::micro {
 
 constexpr int64_t kVec = 16;  // f32 lanes of a 512-bit vector
 inline int64_t RoundUp(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+// Leading dimension for a tile with n columns of 4-byte lanes: n rounded up to
+// kVec, plus one vector when the row stride would be a multiple of 512 bytes.
+// Such strides map a column panel's rows onto a fraction of the L1 sets
+// (e.g. 128 floats: half of them), so a 32 KB B panel no longer fits in L1.
+inline int64_t PaddedLd(int64_t n) {
+  const int64_t ld = RoundUp(n, kVec);
+  return ld % 128 == 0 ? ld + kVec : ld;
+}
 
 // C[m x n] = A[m x k] B[k x n]                      when !accumulate,
 // C[m x n] = diag(row_scale) C + A B                when accumulate
