@@ -33,6 +33,9 @@ struct AttendCase {
   std::vector<std::string> extra;
 };
 
+// gtest prints parameters on failure: the name, not 288 raw bytes.
+void PrintTo(const AttendCase& c, std::ostream* os) { *os << c.name; }
+
 void Save(const std::string& path, const Tensor& t) {
   npy::WriteNpy(path, npy::FromDType(t.dtype()), t.shape(), t.data());
 }
@@ -131,7 +134,9 @@ void RunCase(const AttendCase& c) {
     r = RunCli(args);
   }
   ASSERT_EQ(r.status, 0) << r.err;
-  if (!c.mpi) EXPECT_EQ(r.err, "");
+  if (!c.mpi) {
+    EXPECT_EQ(r.err, "");
+  }
 
   // Exactly the inputs and the requested outputs: no temporaries left.
   std::vector<std::string> want_listing = inputs_listing;

@@ -66,6 +66,8 @@ struct BadCase {
   std::string message;  // must appear in the stderr line
 };
 
+void PrintTo(const BadCase& c, std::ostream* os) { *os << c.name; }
+
 std::vector<std::string> Attend(std::vector<std::string> extra) {
   std::vector<std::string> a = {"attend", "--q",   "@q.npy",   "--k",   "@k.npy",  "--v",
                                 "@v.npy", "--out", "@out.npy", "--lse", "@lse.npy"};

@@ -20,12 +20,13 @@ std::string Quote(const std::string& word) {
   std::string q = "'";
   for (char c : word) {
     if (c == '\'') {
-      q += "'\\''";
+      q.append("'\\''");
     } else {
-      q += c;
+      q.push_back(c);
     }
   }
-  return q + "'";
+  q.push_back('\'');
+  return q;
 }
 
 std::string Slurp(const std::string& path) {
@@ -61,12 +62,12 @@ std::vector<std::string> ScratchDir::List() const {
 CommandResult RunCommand(const std::vector<std::string>& argv, int timeout_s,
                          const std::string& cwd) {
   ScratchDir capture;
-  std::string cmd;
-  if (!cwd.empty()) cmd += "cd " + Quote(cwd) + " && ";
-  cmd += "timeout -k 5 " + std::to_string(timeout_s);
-  for (const std::string& a : argv) cmd += " " + Quote(a);
-  cmd += " >" + Quote(capture / "out") + " 2>" + Quote(capture / "err") + " </dev/null";
-  const int raw = std::system(cmd.c_str());
+  std::ostringstream cmd;
+  if (!cwd.empty()) cmd << "cd " << Quote(cwd) << " && ";
+  cmd << "timeout -k 5 " << timeout_s;
+  for (const std::string& a : argv) cmd << ' ' << Quote(a);
+  cmd << " >" << Quote(capture / "out") << " 2>" << Quote(capture / "err") << " </dev/null";
+  const int raw = std::system(cmd.str().c_str());
   CommandResult r;
   if (raw != -1 && WIFEXITED(raw)) r.status = WEXITSTATUS(raw);
   if (raw != -1 && WIFSIGNALED(raw)) r.status = 128 + WTERMSIG(raw);

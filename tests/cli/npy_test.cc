@@ -60,7 +60,7 @@ class NpyVersionTest : public ::testing::TestWithParam<int> {};
 
 TEST_P(NpyVersionTest, ReadsFloat32) {
   ScratchDir dir;
-  const std::vector<float> v = {1.5f, -2.0f, 0.25f, 3.0e-3f, 7.0f, -0.0f};
+  const std::vector<float> v = {1.5f, -2.0f, 0.25f, 0.375f, 7.0f, -0.0f};
   const std::string path =
       WriteFile(dir, "a.npy", NpyBytes(GetParam(), Dict("<f4", "(2, 3)"), Raw(v)));
   const NpyArray a = NpyArray::Open(path);
