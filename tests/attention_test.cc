@@ -13,6 +13,7 @@
 #include <limits>
 #include <optional>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -416,6 +417,48 @@ TEST(InvarianceTest, ThreadCountIsBitwiseIrrelevant) {
       EXPECT_EQ(RunAttention(in, opt, &dout).dq, one.dq);
     }
   }
+}
+
+// Concurrent callers (e.g. ranks of the threads communicator calling the
+// single-device API) each get their own cached pool and the same results.
+TEST(InvarianceTest, ConcurrentCallsAgree) {
+  Rng rng(15);
+  ProblemSpec spec(1, 40, 40, 2, 1, 16, 16);
+  spec.sinks = true;
+  const OwnedInputs in = RandomInputs(rng, spec);
+  const Tensor dout = RandomTensor(rng, DType::kF32, OutShape(in));
+  AttentionOptions opt;
+  opt.mask = Mask::Causal();
+  opt.block_sizes = {16, 16};
+  opt.num_threads = 2;
+  const ApiResult expected = RunAttention(in, opt, &dout);
+  std::vector<ApiResult> results(3);
+  std::vector<std::thread> callers;
+  for (size_t t = 0; t < results.size(); ++t) {
+    callers.emplace_back([&, t] {
+      for (int rep = 0; rep < 5; ++rep) results[t] = RunAttention(in, opt, &dout);
+    });
+  }
+  for (std::thread& t : callers) t.join();
+  for (const ApiResult& r : results) {
+    EXPECT_EQ(r.out, expected.out);
+    EXPECT_EQ(r.dq, expected.dq);
+    EXPECT_EQ(r.dsinks, expected.dsinks);
+  }
+}
+
+// kAuto runs exactly what ResolveKernelPath(kAuto) names.
+TEST(InvarianceTest, AutoPathIsTheResolvedPath) {
+  Rng rng(16);
+  const OwnedInputs in = RandomInputs(rng, ProblemSpec(1, 33, 47, 2, 2, 16, 16));
+  const Tensor dout = RandomTensor(rng, DType::kF32, OutShape(in));
+  AttentionOptions opt;
+  opt.mask = Mask::Local(9, 3);
+  const ApiResult a = RunAttention(in, opt, &dout);
+  opt.kernel_path = ResolveKernelPath(KernelPath::kAuto);
+  const ApiResult b = RunAttention(in, opt, &dout);
+  EXPECT_EQ(a.out, b.out);
+  EXPECT_EQ(a.dk, b.dk);
 }
 
 // ---- Block skipping ------------------------------------------------------------
