@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstdint>
 #include <functional>
+#include <ostream>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -107,6 +108,9 @@ struct Case {
     return os.str();
   }
 };
+
+// Readable test names in failure messages.
+void PrintTo(const Case& c, std::ostream* os) { *os << c.Describe(MaskCases()); }
 
 // Segment ids [B, S] with document boundaries at 13/48, 29/48, 37/48 of the
 // length: they cross shard boundaries for every ring size used. With
@@ -334,6 +338,65 @@ TEST(RingTest, RingSizeDoesNotChangeResults) {
     ExpectClose(four.api.out, one.api.out, 1e-30, "out");
     ExpectClose(four.api.dk, one.api.dk, 1e-30, "dk");
     ExpectClose(four.api.dsinks, one.api.dsinks, 1e-30, "dsinks");
+  }
+}
+
+// bf16 inputs stored [B, H, S, D] (strided [B, S, H, D] views) with bf16
+// outputs in the same strided storage: shards, travelling slices and gathers
+// must honour strides and dtype. Both paths compute in f32 from the same bf16
+// inputs, but the bf16 micro-kernel rounds P to bf16 relative to different
+// running maxima (per slice vs. one pass) and the results are rounded to
+// bf16, so an element may differ by a bf16 ulp (2^-8 relative) where the f32
+// values straddle a rounding boundary. Two ulps of the largest magnitude,
+// 8e-3, allow that; a wrong position or missing step moves results by O(1).
+// (Measured: ~2e-6.)
+TEST(RingTest, Bf16StridedInputsAndOutputs) {
+  constexpr double kBf16Tol = 8e-3;
+  for (Layout layout : kLayouts) {
+    Rng rng(21);
+    ProblemSpec spec;
+    spec.sq = spec.skv = 96;
+    spec.h = 4;
+    spec.hkv = 2;
+    spec.dtype = DType::kBF16;
+    spec.bhsd = true;
+    spec.sinks = true;
+    const OwnedInputs in = testing::RandomInputs(rng, spec);
+    AttentionOptions opt;
+    opt.mask = Mask::Causal() & Mask::Local(40, std::nullopt);
+    opt.block_sizes = {16, 16};
+    opt.num_threads = 1;
+    const Tensor dout = testing::RandomTensor(rng, DType::kBF16, {1, 96, 4, 16});
+    testing::ApiRun api_run;
+    api_run.out_dtype = api_run.grad_dtype = DType::kBF16;
+    api_run.strided_outputs = true;
+    const ApiResult single = testing::RunAttention(in, opt, &dout, api_run);
+
+    // [B, H, S, D] storage viewed as [B, S, H, D].
+    auto strided = [](int64_t s, int64_t h, int64_t d, Tensor* storage) {
+      *storage = Tensor(DType::kBF16, {1, h, s, d});
+      return storage->view().Transposed(1, 2);
+    };
+    Tensor out_s, dq_s, dk_s, dv_s;
+    Tensor lse(DType::kF32, {1, 4, 96}), dsinks(DType::kF32, {4});
+    const TensorView out = strided(96, 4, 16, &out_s), dq = strided(96, 4, 16, &dq_s),
+                     dk = strided(96, 2, 16, &dk_s), dv = strided(96, 2, 16, &dv_s);
+    RingRun run;
+    run.num_ranks = 4;
+    run.options.attention = opt;
+    run.options.layout = layout;
+    RingAttentionThreads(run, in.inputs(), out, lse.view(), dout.view(), dq, dk, dv, dsinks.view());
+    const std::pair<TensorView, const std::vector<double>*> checks[] = {
+        {out, &single.out}, {dq, &single.dq}, {dk, &single.dk}, {dv, &single.dv}};
+    for (const auto& [view, expected] : checks) {
+      const testing::Comparison c = Compare(testing::ToDoubles(view), *expected);
+      EXPECT_LE(c.Relative(), kBf16Tol) << LayoutName(layout) << ": " << c.Describe();
+    }
+    // lse and dsinks stay f32: only the inputs' rounding is shared, the
+    // f32 math differs by reordering (and P's bf16 rounding for dsinks via
+    // out).
+    EXPECT_LE(Compare(testing::ToDoubles(lse.view()), single.lse).Relative(1.0), 1e-5);
+    EXPECT_LE(Compare(testing::ToDoubles(dsinks.view()), single.dsinks).Relative(), kBf16Tol);
   }
 }
 
