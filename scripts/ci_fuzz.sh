@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# Fuzzing stage of CI (docs/RELIABILITY.md): builds the libFuzzer targets with
+# clang-14 + AddressSanitizer + UBSan and runs each for FUZZ_SECONDS seconds
+# (default 60), starting from the seed corpus (fuzz/corpus/<target>) and the
+# saved crash inputs (fuzz/regressions/<target>). New interesting inputs go to
+# a scratch directory, never into the repository.
+#
+# On a crash: the script fails, the input is saved as
+# $FUZZ_ARTIFACTS/<target>-crash-<hash> (default build-fuzz/artifacts). Turn it
+# into a regression test by copying it to fuzz/regressions/<target>/ — the
+# corpus replay test (tests/reliability/fuzz_corpus_test.cc) then runs it in
+# every build — and fix the bug.
+#
+# Environment: FUZZ_SECONDS (per target), FUZZ_TARGETS (default all three),
+# FUZZ_BUILD_DIR (default build-fuzz), JOBS (build parallelism, default nproc).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+seconds=${FUZZ_SECONDS:-60}
+targets=${FUZZ_TARGETS:-"npy mask_parse attention"}
+build=${FUZZ_BUILD_DIR:-build-fuzz}
+artifacts=${FUZZ_ARTIFACTS:-$build/artifacts}
+jobs=${JOBS:-$(nproc)}
+
+start=$SECONDS
+cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=Release -DCMAKE_CXX_COMPILER=clang++-14 \
+  -DRINGSPLASH_FUZZ=ON -DRINGSPLASH_SANITIZE=address,undefined \
+  -DRINGSPLASH_TESTS=OFF -DRINGSPLASH_BENCH=OFF >/dev/null
+fuzzers=()
+for t in $targets; do fuzzers+=("${t}_fuzzer"); done
+cmake --build "$build" -j"$jobs" --target "${fuzzers[@]}"
+echo "ci_fuzz: build took $((SECONDS - start)) s"
+
+mkdir -p "$artifacts"
+scratch=$(mktemp -d)
+trap 'rm -rf "$scratch"' EXIT
+# UB and ASan reports are fatal (the binaries also use -fno-sanitize-recover).
+export UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1
+export ASAN_OPTIONS=abort_on_error=1:detect_leaks=1
+total=0
+summary=""
+for t in $targets; do
+  mkdir -p "$scratch/$t"
+  log="$scratch/$t.log"
+  seeds=("fuzz/corpus/$t")
+  [ -d "fuzz/regressions/$t" ] && seeds+=("fuzz/regressions/$t")
+  echo "== fuzzing $t for $seconds s"
+  # -timeout: an input that runs 20 s is a hang (inputs are small by design);
+  # -rss_limit_mb: a leak or a runaway allocation is a failure too.
+  if ! "$build/fuzz/${t}_fuzzer" -max_total_time="$seconds" -timeout=20 -rss_limit_mb=2048 \
+    -print_final_stats=1 -artifact_prefix="$artifacts/$t-" "$scratch/$t" "${seeds[@]}" \
+    >"$log" 2>&1; then
+    tail -n 60 "$log"
+    echo "ci_fuzz: $t FAILED; crashing input saved under $artifacts/ (copy it to" \
+      "fuzz/regressions/$t/ to make it a regression test)"
+    exit 1
+  fi
+  execs=$(awk '/stat::number_of_executed_units/ {print $2}' "$log")
+  corpus=$(ls "$scratch/$t" | wc -l)
+  grep -E "stat::(number_of_executed_units|average_exec_per_sec|new_units_added|peak_rss_mb)" "$log"
+  total=$((total + execs))
+  summary+="$t: $execs executions, $corpus new corpus entries; "
+done
+echo "ci_fuzz: ${summary}total $total executions, no crash, in $((SECONDS - start)) s"

@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# Sanitizer stage of CI (docs/RELIABILITY.md).
+#   asan: the whole test suite (library, CLI, MPI, reliability) built with
+#         AddressSanitizer + UndefinedBehaviorSanitizer (clang-14); any
+#         report fails the test that triggered it (UB is not recoverable).
+#   tsan: ThreadSanitizer build of the tests that run threads: the thread
+#         pool, kernel thread-count invariance, the threads communicator, the
+#         ring over thread ranks (results and fault injection) and the
+#         determinism suite.
+# Usage: scripts/ci_sanitizers.sh [asan|tsan|all]   (default all)
+# Environment: JOBS (build/test parallelism, default nproc), SANITIZER_CXX
+# (default clang++-14), CTEST_ARGS (extra ctest arguments, e.g. -R Ring).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+stage=${1:-all}
+jobs=${JOBS:-$(nproc)}
+cxx=${SANITIZER_CXX:-clang++-14}
+read -r -a extra <<<"${CTEST_ARGS:-}"
+
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+# -O1 -g: readable stacks and a build about half as long as -O3; asserts on.
+cmake_common=(-DCMAKE_BUILD_TYPE=RelWithDebInfo "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O1 -g"
+  -DCMAKE_CXX_COMPILER="$cxx" -DRINGSPLASH_BENCH=OFF)
+
+# The ThreadSanitizer subset: every test whose code runs on several threads.
+tsan_tests="ThreadPoolTest|InvarianceTest|FlashTest.BitwiseIdenticalAcrossThreadCounts|CommTest"
+tsan_tests+="|RingTest|RingCoveringTest|RingFaultTest|Determinism"
+tsan_targets=(thread_pool_test attention_test flash_kernel_test comm_test ring_test
+  ring_fault_test determinism_test)
+
+run_asan() {
+  local start=$SECONDS
+  echo "== ASan + UBSan: build"
+  cmake -S . -B build-asan "${cmake_common[@]}" -DRINGSPLASH_SANITIZE=address,undefined \
+    "-DCMAKE_CXX_FLAGS=-fno-sanitize-recover=all" >/dev/null
+  cmake --build build-asan -j"$jobs"
+  echo "== ASan + UBSan: ctest ($((SECONDS - start)) s so far)"
+  # Leak checking stays on. Open MPI allocates at MPI_Init and does not free
+  # everything at MPI_Finalize (its own documented behaviour, not ours): those
+  # reports are suppressed by tests/reliability/lsan_mpi.supp, which names only
+  # Open MPI's libraries. halt_on_error: the first report fails the test.
+  ASAN_OPTIONS=abort_on_error=1:detect_leaks=1:check_initialization_order=1:strict_string_checks=1 \
+  LSAN_OPTIONS=suppressions=$PWD/tests/reliability/lsan_mpi.supp:print_suppressions=0 \
+  UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
+    ctest --test-dir build-asan --output-on-failure -j"$jobs" --timeout 900 "${extra[@]}"
+  echo "== ASan + UBSan: clean in $((SECONDS - start)) s"
+}
+
+run_tsan() {
+  local start=$SECONDS
+  echo "== TSan: build"
+  cmake -S . -B build-tsan "${cmake_common[@]}" -DRINGSPLASH_SANITIZE=thread \
+    -DRINGSPLASH_MPI=OFF >/dev/null
+  cmake --build build-tsan -j"$jobs" --target "${tsan_targets[@]}"
+  echo "== TSan: ctest ($((SECONDS - start)) s so far)"
+  TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 \
+    ctest --test-dir build-tsan --output-on-failure -j"$jobs" --timeout 900 \
+    -R "$tsan_tests" "${extra[@]}"
+  echo "== TSan: clean in $((SECONDS - start)) s"
+}
+
+case "$stage" in
+  asan) run_asan ;;
+  tsan) run_tsan ;;
+  all) run_asan && run_tsan ;;
+  *) echo "usage: $0 [asan|tsan|all]" >&2; exit 2 ;;
+esac
