@@ -9,6 +9,7 @@
 #include "ringsplash/error.h"
 #include "ringsplash/mask.h"
 #include "tools/cli_common.h"
+#include "tools/progress.h"
 
 namespace ringsplash::cli {
 namespace {
@@ -21,6 +22,12 @@ void CheckBlock(int64_t value, const char* flag) {
   if (value <= 0 || value % 16 != 0) {
     Usage(flag, ": expected a positive multiple of 16, got ", value);
   }
+}
+
+// "seq 8192 (2/3)" for the progress line.
+std::string PhaseName(const std::vector<int64_t>& seqs, size_t i) {
+  return "seq " + std::to_string(seqs[i]) + " (" + std::to_string(i + 1) + "/" +
+         std::to_string(seqs.size()) + ")";
 }
 
 }  // namespace
@@ -219,9 +226,12 @@ int RunBench(const BenchArgs& args) {
     copt.timeout_s = args.comm_timeout;
     std::unique_ptr<Communicator> comm = MakeMpiCommunicator(copt);
     const bool root = comm->rank() == 0;
+    Progress progress("ringsplash bench", root);
     try {
-      for (int64_t seq : args.seq) {
-        const BenchResult r = RunBenchOnRank(*comm, ResolveConfig(args, seq, comm->size()));
+      for (size_t i = 0; i < args.seq.size(); ++i) {
+        progress.Phase(PhaseName(args.seq, i));
+        const BenchResult r = RunBenchOnRank(*comm, ResolveConfig(args, args.seq[i], comm->size()));
+        progress.Phase("");
         if (root) std::cout << ToJson(r).dump() << std::endl;
       }
     } catch (const std::exception& e) {
@@ -234,8 +244,12 @@ int RunBench(const BenchArgs& args) {
   // Resolve every configuration first: a bad value fails before any run.
   std::vector<BenchConfig> configs;
   for (int64_t seq : args.seq) configs.push_back(ResolveConfig(args, seq, 0));
-  for (const BenchConfig& c : configs) {
-    std::cout << ToJson(RunBenchThreads(c)).dump() << std::endl;
+  Progress progress("ringsplash bench", true);
+  for (size_t i = 0; i < configs.size(); ++i) {
+    progress.Phase(PhaseName(args.seq, i));
+    const BenchResult r = RunBenchThreads(configs[i]);
+    progress.Phase("");
+    std::cout << ToJson(r).dump() << std::endl;
   }
   return kExitOk;
 }
