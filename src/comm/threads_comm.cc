@@ -15,7 +15,10 @@
 // them. Every blocking call wakes up and throws "rank R failed: <reason>".
 // A peer that returned from its function without posting what a rank waits
 // for fails that wait at once; a peer that is merely slow fails it after
-// CommOptions::timeout_s.
+// CommOptions::timeout_s. Such a rank-detected failure (timeout, vanished
+// peer, mismatched sizes) aborts the world in the detecting rank's name: it
+// throws the plain reason ("rank 1: timed out after ..."), its peers throw
+// "rank 1 failed: <reason>".
 #include <condition_variable>
 #include <cstring>
 #include <deque>
