@@ -17,37 +17,79 @@
 #include "tools/npy.h"
 #include "tools/pending_outputs.h"
 #include "tools/progress.h"
+#include "tools/random_fill.h"
 
 namespace ringsplash::cli {
 namespace {
 
 constexpr char kProgressPrefix[] = "ringsplash attend";
 
-// Results of one run, global (threads) or this rank's shard (MPI); all f32.
+// Results of one run, global (threads) or this rank's shard (MPI); all f32,
+// indexed by OutputKind.
 struct Results {
   Tensor out, lse, dq, dk, dv, dsinks;
-  const Tensor& For(const std::string& flag) const {
-    if (flag == "--out") return out;
-    if (flag == "--lse") return lse;
-    if (flag == "--dq") return dq;
-    if (flag == "--dk") return dk;
-    if (flag == "--dv") return dv;
+  const Tensor& Of(OutputKind kind) const {
+    switch (kind) {
+      case OutputKind::kOut:
+        return out;
+      case OutputKind::kLse:
+        return lse;
+      case OutputKind::kDq:
+        return dq;
+      case OutputKind::kDk:
+        return dk;
+      case OutputKind::kDv:
+        return dv;
+      case OutputKind::kDsinks:
+        break;
+    }
     return dsinks;
   }
 };
 
-// Allocates results for q/k/v shards of `nq` and `nkv` rows.
-Results AllocateResults(const Dims& d, int64_t nq, int64_t nkv, bool backward, bool sinks) {
-  Results r;
+TensorView ViewOrEmpty(const Tensor& t) { return t.data() ? t.view() : TensorView{}; }
+
+// The rows `q_pos` / `kv_pos` of every input (all rows on one process, the
+// shard under MPI), converted to the compute dtype, and result buffers for
+// them.
+struct Loaded {
+  Tensor q, k, v, dout, sinks, q_seg, kv_seg;
+  AttentionInputs inputs;
+  Results results;
+};
+
+Loaded LoadInputs(const AttendFiles& files, const AttendPlan& plan, std::span<const int64_t> q_pos,
+                  std::span<const int64_t> kv_pos) {
+  Loaded l;
+  l.q = files.q.LoadRows(plan.dtype, q_pos, "q");
+  l.k = files.k.LoadRows(plan.dtype, kv_pos, "k");
+  l.v = files.v.LoadRows(plan.dtype, kv_pos, "v");
+  if (plan.backward) l.dout = files.dout.LoadRows(plan.dtype, q_pos, "dout");
+  if (!files.sinks.path().empty()) l.sinks = files.sinks.Load(DType::kF32, "sinks");
+  if (!files.q_segments.path().empty()) {
+    l.q_seg = files.q_segments.LoadRows(DType::kI32, q_pos, "q segment ids");
+    l.kv_seg = files.kv_segments.LoadRows(DType::kI32, kv_pos, "kv segment ids");
+  }
+  l.inputs.q = l.q.view();
+  l.inputs.k = l.k.view();
+  l.inputs.v = l.v.view();
+  l.inputs.sinks = ViewOrEmpty(l.sinks);
+  l.inputs.q_segments = ViewOrEmpty(l.q_seg);
+  l.inputs.kv_segments = ViewOrEmpty(l.kv_seg);
+
+  const Dims& d = files.dims;
+  const auto nq = static_cast<int64_t>(q_pos.size());
+  const auto nkv = static_cast<int64_t>(kv_pos.size());
+  Results& r = l.results;
   r.out = Tensor(DType::kF32, {d.b, nq, d.h, d.dv});
   r.lse = Tensor(DType::kF32, {d.b, d.h, nq});
-  if (backward) {
+  if (plan.backward) {
     r.dq = Tensor(DType::kF32, {d.b, nq, d.h, d.d});
     r.dk = Tensor(DType::kF32, {d.b, nkv, d.hkv, d.d});
     r.dv = Tensor(DType::kF32, {d.b, nkv, d.hkv, d.dv});
-    if (sinks) r.dsinks = Tensor(DType::kF32, {d.h});
+    if (l.sinks.data()) r.dsinks = Tensor(DType::kF32, {d.h});
   }
-  return r;
+  return l;
 }
 
 AttentionOptions MakeAttentionOptions(const AttendArgs& args, const Mask& mask) {
@@ -59,19 +101,18 @@ AttentionOptions MakeAttentionOptions(const AttendArgs& args, const Mask& mask) 
   return opt;
 }
 
-TensorView ViewOrEmpty(const Tensor& t) { return t.data() ? t.view() : TensorView{}; }
-
-// Writes rows of a local [batch, n, inner] f32 buffer into a global
-// [batch, seq, inner] file at global rows `pos` (increasing); consecutive
-// positions coalesce into one write.
-void WriteRows(npy::NpyOutputFile& file, const float* local, int64_t batch, int64_t seq,
-               std::span<const int64_t> pos, int64_t inner) {
-  const int64_t n = static_cast<int64_t>(pos.size());
-  for (int64_t b = 0; b < batch; ++b) {
+// Writes the rows `pos` (increasing) of `spec`'s output, held as a local
+// [batch, pos.size(), inner] f32 buffer, at their global offsets;
+// consecutive positions coalesce into one write.
+void WriteRows(npy::NpyOutputFile& file, const OutputSpec& spec, const float* local,
+               std::span<const int64_t> pos) {
+  const auto n = static_cast<int64_t>(pos.size());
+  for (int64_t b = 0; b < spec.batch; ++b) {
     for (int64_t i = 0; i < n;) {
       int64_t j = i + 1;
       while (j < n && pos[j] == pos[j - 1] + 1) ++j;
-      file.Write((b * seq + pos[i]) * inner, local + (b * n + i) * inner, (j - i) * inner);
+      file.Write((b * spec.seq + pos[i]) * spec.inner, local + (b * n + i) * spec.inner,
+                 (j - i) * spec.inner);
       i = j;
     }
   }
@@ -84,44 +125,25 @@ void RunAttendThreads(const AttendArgs& args, const AttendPlan& plan) {
   AttendFiles files = OpenInputs(args, plan);
   CheckDivisible(files, plan.layout, ranks);
   const Mask mask = BuildMask(files, plan);
-  const Dims& d = files.dims;
 
   // Create every output first, so an unwritable destination fails before
   // the compute rather than after it.
   PendingOutputs pending(static_cast<uint64_t>(::getpid()), /*owner=*/true);
-  const std::vector<OutputSpec> specs = PlanOutputs(args, d);
-  std::vector<npy::NpyOutputFile> files_out;
+  const std::vector<OutputSpec> specs = PlanOutputs(args, files.dims);
+  std::vector<npy::NpyOutputFile> outputs;
   for (const OutputSpec& s : specs) {
-    files_out.push_back(
-        npy::NpyOutputFile::Create(pending.Add(s.path), npy::NpyType::kF32, s.shape));
+    outputs.push_back(npy::NpyOutputFile::Create(pending.Add(s.path), npy::NpyType::kF32, s.shape));
   }
 
-  const Tensor q = files.q.Load(plan.dtype, "q");
-  const Tensor k = files.k.Load(plan.dtype, "k");
-  const Tensor v = files.v.Load(plan.dtype, "v");
-  Tensor dout, sinks, q_seg, kv_seg;
-  if (plan.backward) dout = files.dout.Load(plan.dtype, "dout");
-  if (!args.sinks.empty()) sinks = files.sinks.Load(DType::kF32, "sinks");
-  if (!args.q_segments.empty()) {
-    q_seg = files.q_segments.Load(DType::kI32, "q segment ids");
-    kv_seg = files.kv_segments.Load(DType::kI32, "kv segment ids");
-  }
-  AttentionInputs in;
-  in.q = q.view();
-  in.k = k.view();
-  in.v = v.view();
-  in.sinks = ViewOrEmpty(sinks);
-  in.q_segments = ViewOrEmpty(q_seg);
-  in.kv_segments = ViewOrEmpty(kv_seg);
+  Loaded l = LoadInputs(files, plan, Iota(files.dims.sq), Iota(files.dims.skv));
   const AttentionOptions opt = MakeAttentionOptions(args, mask);
-  Results r = AllocateResults(d, d.sq, d.skv, plan.backward, sinks.data() != nullptr);
-
+  Results& r = l.results;
   progress.Phase(plan.backward ? "forward + backward" : "forward");
   if (ranks == 1) {
-    AttentionForward(in, opt, r.out.view(), r.lse.view());
+    AttentionForward(l.inputs, opt, r.out.view(), r.lse.view());
     if (plan.backward) {
-      AttentionBackward(in, opt, r.out.view(), r.lse.view(), dout.view(), r.dq.view(), r.dk.view(),
-                        r.dv.view(), ViewOrEmpty(r.dsinks));
+      AttentionBackward(l.inputs, opt, r.out.view(), r.lse.view(), l.dout.view(), r.dq.view(),
+                        r.dk.view(), r.dv.view(), ViewOrEmpty(r.dsinks));
     }
   } else {
     RingRun run;
@@ -129,19 +151,16 @@ void RunAttendThreads(const AttendArgs& args, const AttendPlan& plan) {
     run.options.attention = opt;
     run.options.layout = plan.layout;
     run.comm.timeout_s = args.comm_timeout;
-    if (plan.backward) {
-      RingAttentionThreads(run, in, r.out.view(), r.lse.view(), dout.view(), r.dq.view(),
-                           r.dk.view(), r.dv.view(), ViewOrEmpty(r.dsinks));
-    } else {
-      RingAttentionThreads(run, in, r.out.view(), r.lse.view());
-    }
+    RingAttentionThreads(run, l.inputs, r.out.view(), r.lse.view(), ViewOrEmpty(l.dout),
+                         ViewOrEmpty(r.dq), ViewOrEmpty(r.dk), ViewOrEmpty(r.dv),
+                         ViewOrEmpty(r.dsinks));
   }
 
   progress.Phase("writing outputs");
   for (size_t i = 0; i < specs.size(); ++i) {
-    const Tensor& t = r.For(specs[i].flag);
-    files_out[i].Write(0, t.data(), t.numel());
-    files_out[i].Close();
+    const Tensor& t = r.Of(specs[i].kind);
+    outputs[i].Write(0, t.data(), t.numel());
+    outputs[i].Close();
   }
   pending.Commit();
 }
@@ -176,9 +195,9 @@ void RunAttendMpiRank(Communicator& comm, const AttendArgs& args, const AttendPl
   }
   comm.Barrier();
   ring_started = true;
-  std::vector<npy::NpyOutputFile> files_out;
+  std::vector<npy::NpyOutputFile> outputs;
   for (size_t i = 0; i < specs.size(); ++i) {
-    files_out.push_back(
+    outputs.push_back(
         npy::NpyOutputFile::OpenExisting(temps[i], npy::NpyType::kF32, specs[i].shape));
   }
 
@@ -186,57 +205,32 @@ void RunAttendMpiRank(Communicator& comm, const AttendArgs& args, const AttendPl
       LayoutPositions(plan.layout, d.sq, rank, n, "q sequence length");
   const std::vector<int64_t> kv_pos =
       LayoutPositions(plan.layout, d.skv, rank, n, "kv sequence length");
-  const Tensor q = files.q.LoadRows(plan.dtype, q_pos, "q");
-  const Tensor k = files.k.LoadRows(plan.dtype, kv_pos, "k");
-  const Tensor v = files.v.LoadRows(plan.dtype, kv_pos, "v");
-  Tensor dout, sinks, q_seg, kv_seg;
-  if (plan.backward) dout = files.dout.LoadRows(plan.dtype, q_pos, "dout");
-  if (!args.sinks.empty()) sinks = files.sinks.Load(DType::kF32, "sinks");
-  if (!args.q_segments.empty()) {
-    q_seg = files.q_segments.LoadRows(DType::kI32, q_pos, "q segment ids");
-    kv_seg = files.kv_segments.LoadRows(DType::kI32, kv_pos, "kv segment ids");
-  }
-  AttentionInputs in;
-  in.q = q.view();
-  in.k = k.view();
-  in.v = v.view();
-  in.sinks = ViewOrEmpty(sinks);
-  in.q_segments = ViewOrEmpty(q_seg);
-  in.kv_segments = ViewOrEmpty(kv_seg);
+  Loaded l = LoadInputs(files, plan, q_pos, kv_pos);
   RingOptions ro;
   ro.attention = MakeAttentionOptions(args, mask);
-  if (ro.attention.num_threads == 0)
+  if (ro.attention.num_threads == 0) {
     ro.attention.num_threads = DefaultThreadsPerRank(LocalRanks(n));
+  }
   ro.layout = plan.layout;
-  const auto nq = static_cast<int64_t>(q_pos.size());
-  const auto nkv = static_cast<int64_t>(kv_pos.size());
-  Results r = AllocateResults(d, nq, nkv, plan.backward, sinks.data() != nullptr);
-
+  Results& r = l.results;
   progress.Phase(plan.backward ? "forward + backward" : "forward");
-  RingAttentionForward(comm, in, ro, r.out.view(), r.lse.view());
+  RingAttentionForward(comm, l.inputs, ro, r.out.view(), r.lse.view());
   if (plan.backward) {
-    RingAttentionBackward(comm, in, ro, r.out.view(), r.lse.view(), dout.view(), r.dq.view(),
-                          r.dk.view(), r.dv.view(), ViewOrEmpty(r.dsinks));
+    RingAttentionBackward(comm, l.inputs, ro, r.out.view(), r.lse.view(), l.dout.view(),
+                          r.dq.view(), r.dk.view(), r.dv.view(), ViewOrEmpty(r.dsinks));
   }
 
   progress.Phase("writing outputs");
   for (size_t i = 0; i < specs.size(); ++i) {
-    const std::string& flag = specs[i].flag;
-    const float* data = r.For(flag).data_as<float>();
-    if (flag == "--out") {
-      WriteRows(files_out[i], data, d.b, d.sq, q_pos, d.h * d.dv);
-    } else if (flag == "--lse") {
-      WriteRows(files_out[i], data, d.b * d.h, d.sq, q_pos, 1);
-    } else if (flag == "--dq") {
-      WriteRows(files_out[i], data, d.b, d.sq, q_pos, d.h * d.d);
-    } else if (flag == "--dk") {
-      WriteRows(files_out[i], data, d.b, d.skv, kv_pos, d.hkv * d.d);
-    } else if (flag == "--dv") {
-      WriteRows(files_out[i], data, d.b, d.skv, kv_pos, d.hkv * d.dv);
-    } else if (rank == 0) {  // --dsinks: the same global gradient on every rank
-      files_out[i].Write(0, data, d.h);
+    const OutputSpec& s = specs[i];
+    const float* data = r.Of(s.kind).data_as<float>();
+    if (s.rows == RowsOf::kNone) {
+      // dsinks: the same global gradient on every rank; rank 0 writes it.
+      if (rank == 0) outputs[i].Write(0, data, s.inner);
+    } else {
+      WriteRows(outputs[i], s, data, s.rows == RowsOf::kQuery ? q_pos : kv_pos);
     }
-    files_out[i].Close();
+    outputs[i].Close();
   }
   comm.Barrier();  // every rank's rows are on disk
   pending.Commit();

@@ -42,13 +42,9 @@ npy::NpyArray OpenIf(const std::string& path) {
 
 AttendPlan CheckArgs(const AttendArgs& args) {
   AttendPlan plan;
-  if (args.layout == "contiguous") {
-    plan.layout = Layout::kContiguous;
-  } else if (args.layout == "zigzag") {
-    plan.layout = Layout::kZigzag;
-  } else if (args.layout == "striped") {
-    plan.layout = Layout::kStriped;
-  } else {
+  try {
+    plan.layout = ParseLayout(args.layout);
+  } catch (const Error&) {
     Usage("--layout: expected contiguous, zigzag or striped, got '", args.layout, "'");
   }
   if (args.backend == "threads") {
@@ -219,15 +215,17 @@ Mask BuildMask(const AttendFiles& files, const AttendPlan& plan) {
 
 std::vector<OutputSpec> PlanOutputs(const AttendArgs& args, const Dims& d) {
   std::vector<OutputSpec> outs;
-  auto add = [&](const char* flag, const std::string& path, std::vector<int64_t> shape) {
-    if (!path.empty()) outs.push_back({flag, path, std::move(shape)});
+  auto add = [&](OutputKind kind, const std::string& path, std::vector<int64_t> shape, RowsOf rows,
+                 int64_t batch, int64_t seq, int64_t inner) {
+    if (!path.empty()) outs.push_back({kind, path, std::move(shape), rows, batch, seq, inner});
   };
-  add("--out", args.out, {d.b, d.sq, d.h, d.dv});
-  add("--lse", args.lse, {d.b, d.h, d.sq});
-  add("--dq", args.dq, {d.b, d.sq, d.h, d.d});
-  add("--dk", args.dk, {d.b, d.skv, d.hkv, d.d});
-  add("--dv", args.dv, {d.b, d.skv, d.hkv, d.dv});
-  add("--dsinks", args.dsinks, {d.h});
+  using enum OutputKind;
+  add(kOut, args.out, {d.b, d.sq, d.h, d.dv}, RowsOf::kQuery, d.b, d.sq, d.h * d.dv);
+  add(kLse, args.lse, {d.b, d.h, d.sq}, RowsOf::kQuery, d.b * d.h, d.sq, 1);
+  add(kDq, args.dq, {d.b, d.sq, d.h, d.d}, RowsOf::kQuery, d.b, d.sq, d.h * d.d);
+  add(kDk, args.dk, {d.b, d.skv, d.hkv, d.d}, RowsOf::kKeyValue, d.b, d.skv, d.hkv * d.d);
+  add(kDv, args.dv, {d.b, d.skv, d.hkv, d.dv}, RowsOf::kKeyValue, d.b, d.skv, d.hkv * d.dv);
+  add(kDsinks, args.dsinks, {d.h}, RowsOf::kNone, 1, 1, d.h);
   return outs;
 }
 

@@ -49,11 +49,17 @@ void CheckDivisible(const AttendFiles& files, Layout layout, int ranks);
 // The full mask: --mask AND the dense mask file, if any.
 Mask BuildMask(const AttendFiles& files, const AttendPlan& plan);
 
-// The named outputs of a run, with their shapes (f32 .npy).
+// What a run can write. Each output is a [batch, seq, inner] array whose
+// rows (dim 1) are the query or the key/value positions — the rows a rank
+// owns under MPI — except dsinks, which is global.
+enum class OutputKind { kOut, kLse, kDq, kDk, kDv, kDsinks };
+enum class RowsOf { kQuery, kKeyValue, kNone };
 struct OutputSpec {
-  std::string flag;  // "--out"
+  OutputKind kind;
   std::string path;
-  std::vector<int64_t> shape;
+  std::vector<int64_t> shape;  // as written (f32 .npy)
+  RowsOf rows;
+  int64_t batch, seq, inner;  // the [batch, seq, inner] view of `shape`
 };
 std::vector<OutputSpec> PlanOutputs(const AttendArgs& args, const Dims& dims);
 

@@ -59,7 +59,7 @@ BenchConfig ResolveConfig(const BenchArgs& a, int64_t seq, int world) {
   }
   try {
     c.layout = ParseLayout(a.layout);
-  } catch (const Error& e) {
+  } catch (const Error&) {
     Usage("--layout: expected contiguous, zigzag or striped, got '", a.layout, "'");
   }
   if (a.backend != "threads" && a.backend != "mpi") {
