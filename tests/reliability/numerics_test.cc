@@ -1,0 +1,486 @@
+// Numerical robustness (issue #6.4), single device and ring, against the f64
+// reference (tests/support/reference.h):
+//   - NaN / Inf inputs poison exactly the outputs that depend on them (the
+//     rule is in poison.h and docs/RELIABILITY.md) — in particular a masked
+//     key or value never leaks into a row that does not attend to it, even
+//     inside a partially masked tile (0 * NaN);
+//   - logits around 1e4 without a soft cap (and sinks of that size) neither
+//     overflow nor lose the answer;
+//   - fully masked rows give out 0, lse -inf (or the sink), zero gradients,
+//     never NaN;
+//   - an f16 result that does not fit in f16 is reported, not stored as inf.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "ringsplash/attention.h"
+#include "ringsplash/error.h"
+#include "ringsplash/mask.h"
+#include "ringsplash/ring.h"
+#include "tests/reliability/poison.h"
+#include "tests/support/reference.h"
+#include "tests/support/test_util.h"
+
+namespace ringsplash::testing {
+namespace {
+
+constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+// f32 tolerances as in tests/attention_test.cc: every output element is a
+// D-term dot product, an online softmax over Skv <= 96 keys and a weighted
+// sum, so the rounding error is O((D + Skv) u) ~ 1e-5 relative to the
+// largest magnitude; gradients add one more such sum (1e-4).
+constexpr double kOutTol = 2e-5;
+constexpr double kGradTol = 2e-4;
+
+AttentionOptions WithMask(const Mask& mask) {
+  AttentionOptions opt;
+  opt.mask = mask;
+  return opt;
+}
+
+std::vector<int64_t> OutShape(const OwnedInputs& o) {
+  const AttentionInputs in = o.inputs();
+  return {in.q.shape[0], in.q.shape[1], in.q.shape[2], in.v.shape[3]};
+}
+
+// Sets every element of one row of a [B, S, Heads, X] tensor to `value`.
+void SetRow(Tensor& t, int64_t b, int64_t s, int64_t head, double value) {
+  const TensorView v = t.view();
+  for (int64_t x = 0; x < v.shape[3]; ++x) StoreFromF32(v, v.Offset(b, s, head, x), value);
+}
+
+// Results of RingAttentionThreads in RunAttention's format.
+ApiResult RunRingThreads(const OwnedInputs& owned, const AttentionOptions& opt, const Tensor& dout,
+                         int ranks, Layout layout) {
+  const AttentionInputs in = owned.inputs();
+  const int64_t b = in.q.shape[0], sq = in.q.shape[1], h = in.q.shape[2], d = in.q.shape[3];
+  const int64_t skv = in.k.shape[1], hkv = in.k.shape[2], dv = in.v.shape[3];
+  Tensor out(DType::kF32, {b, sq, h, dv}), lse(DType::kF32, {b, h, sq});
+  Tensor dq(DType::kF32, {b, sq, h, d}), dk(DType::kF32, {b, skv, hkv, d});
+  Tensor dvt(DType::kF32, {b, skv, hkv, dv}), dsinks(DType::kF32, {h});
+  RingRun run;
+  run.num_ranks = ranks;
+  run.options.layout = layout;
+  run.options.attention = opt;
+  run.options.attention.num_threads = 1;
+  const TensorView ds = in.sinks.defined() ? dsinks.view() : TensorView();
+  RingAttentionThreads(run, in, out.view(), lse.view(), dout.view(), dq.view(), dk.view(),
+                       dvt.view(), ds);
+  ApiResult r;
+  r.out = ToDoubles(out.view());
+  r.lse = ToDoubles(lse.view());
+  r.dq = ToDoubles(dq.view());
+  r.dk = ToDoubles(dk.view());
+  r.dv = ToDoubles(dvt.view());
+  if (in.sinks.defined()) r.dsinks = ToDoubles(dsinks.view());
+  return r;
+}
+
+// Checks `api` against one direction of the poison rule for inputs `in`
+// (poisoned) and dout, on the forward outputs (out, lse) or the gradients.
+enum class Outputs { kForward, kBackward };
+void ExpectPoisonRule(const OwnedInputs& in, const AttentionOptions& opt, const Tensor& dout,
+                      const ApiResult& api, const std::string& what, PoisonCheck check,
+                      Outputs which) {
+  const AttentionInputs ai = in.inputs();
+  const PoisonMap pm = PoisonMap::Of(ai, opt, &dout);
+  const OwnedInputs clean = CleanCopy(in);
+  const Tensor clean_dout = CleanCopy(dout);
+  const RefResult ref = RunReference(clean, opt, &clean_dout);
+  const int64_t sq = ai.q.shape[1], h = ai.q.shape[2], d = ai.q.shape[3];
+  const int64_t dv = ai.v.shape[3];
+  // [B, Sq, H, X] element -> [B, H, Sq] row flag.
+  auto bsh_row = [&](int64_t x) {
+    return [=](int64_t idx) {
+      const int64_t r = idx / x;  // (b * Sq + i) * H + head
+      const int64_t head = r % h, i = (r / h) % sq, b = r / (h * sq);
+      return (b * h + head) * sq + i;
+    };
+  };
+  auto per = [](int64_t x) { return [=](int64_t idx) { return idx / x; }; };
+  std::string errors;
+  if (which == Outputs::kForward) {
+    errors += CheckPoisonPattern(api.out, ref.fwd.out, pm.out, bsh_row(dv), kOutTol, "out", check);
+    errors += CheckPoisonPattern(api.lse, ref.fwd.lse, pm.lse, per(1), kOutTol, "lse", check);
+  } else {
+    errors += CheckPoisonPattern(api.dq, ref.bwd.dq, pm.dq, bsh_row(d), kGradTol, "dq", check);
+    errors += CheckPoisonPattern(api.dk, ref.bwd.dk, pm.dk, per(d), kGradTol, "dk", check);
+    errors += CheckPoisonPattern(api.dv, ref.bwd.dv, pm.dv, per(dv), kGradTol, "dv", check);
+    if (ai.sinks.defined()) {
+      errors += CheckPoisonPattern(api.dsinks, ref.bwd.dsinks, pm.dsinks, per(1), kGradTol,
+                                   "dsinks", check);
+    }
+  }
+  EXPECT_EQ(errors, "") << what;
+}
+
+struct PoisonCase {
+  std::string name;
+  Mask mask;
+  bool segments = false;
+  bool sinks = false;
+  // Applied to the (finite) random inputs and dout.
+  void (*poison)(OwnedInputs&, Tensor& dout) = nullptr;
+};
+
+std::vector<PoisonCase> PoisonCases() {
+  return {
+      {"NaN in one q row, causal", Mask::Causal(), false, false,
+       [](OwnedInputs& in, Tensor&) { SetRow(in.q, 0, 37, 1, kNaN); }},
+      {"+Inf in one k row, causal (rows before it share its tiles)", Mask::Causal(), false, false,
+       [](OwnedInputs& in, Tensor&) { SetRow(in.k, 0, 50, 0, kInf); }},
+      {"NaN in one v row, local window", Mask::Local(10, 10), false, false,
+       [](OwnedInputs& in, Tensor&) { SetRow(in.v, 0, 50, 0, kNaN); }},
+      {"-Inf in k and NaN in v of one key, segments", Mask::Full(), true, false,
+       [](OwnedInputs& in, Tensor&) {
+         SetRow(in.k, 0, 20, 0, -kInf);
+         SetRow(in.v, 0, 20, 0, kNaN);
+       }},
+      {"NaN in one dout row, causal + sinks", Mask::Causal(), false, true,
+       [](OwnedInputs&, Tensor& dout) { SetRow(dout, 0, 70, 1, kNaN); }},
+      {"NaN sink of head 1", Mask::Causal(), false, true,
+       [](OwnedInputs& in, Tensor&) { in.sinks.data_as<float>()[1] = NAN; }},
+      {"NaN q rows without any allowed key (inside partial tiles)", Mask::Causal(-50), false, false,
+       [](OwnedInputs& in, Tensor&) {
+         SetRow(in.q, 0, 40, 0, kNaN);
+         SetRow(in.q, 0, 41, 1, kInf);
+       }},
+  };
+}
+
+OwnedInputs PoisonProblem(const PoisonCase& c, Tensor* dout) {
+  ProblemSpec spec;
+  spec.b = 1;
+  spec.sq = 96;
+  spec.skv = 96;
+  spec.h = 2;
+  spec.hkv = 1;
+  spec.d = 16;
+  spec.dv = 16;
+  spec.sinks = c.sinks;
+  spec.segments = c.segments;
+  Rng rng(2024);
+  OwnedInputs in = RandomInputs(rng, spec);
+  *dout = RandomTensor(rng, DType::kF32, OutShape(in));
+  c.poison(in, *dout);
+  return in;
+}
+
+// Runs every poison case on every kernel path and two tilings, and on rings
+// of 3 thread ranks, and checks one direction of the rule on one set of
+// outputs.
+void CheckAllPoisonCases(PoisonCheck check, Outputs which) {
+  for (const PoisonCase& c : PoisonCases()) {
+    Tensor dout;
+    const OwnedInputs in = PoisonProblem(c, &dout);
+    const PoisonMap pm = PoisonMap::Of(in.inputs(), WithMask(c.mask), &dout);
+    if (c.name.find("without any allowed key") == std::string::npos) {
+      // The case really poisons something and leaves something clean.
+      EXPECT_GT(pm.count_out() + std::count(pm.dq.begin(), pm.dq.end(), 1), 0) << c.name;
+      EXPECT_LT(pm.count_out(), static_cast<int64_t>(pm.out.size())) << c.name;
+    }
+    for (KernelPath path : SupportedKernelPaths()) {
+      for (const BlockSizes blocks : {BlockSizes{}, BlockSizes{16, 32}}) {
+        AttentionOptions opt;
+        opt.mask = c.mask;
+        opt.kernel_path = path;
+        opt.block_sizes = blocks;
+        opt.num_threads = 2;
+        const ApiResult api = RunAttention(in, opt, &dout);
+        ExpectPoisonRule(in, opt, dout, api,
+                         c.name + ", path " + KernelPathName(path) + ", blocks " +
+                             std::to_string(blocks.q) + "x" + std::to_string(blocks.kv),
+                         check, which);
+      }
+    }
+    AttentionOptions opt;
+    opt.mask = c.mask;
+    opt.block_sizes = {16, 16};
+    for (Layout layout : {Layout::kContiguous, Layout::kZigzag}) {
+      const ApiResult api = RunRingThreads(in, opt, dout, 3, layout);
+      ExpectPoisonRule(in, opt, dout, api, c.name + ", ring of 3, " + LayoutName(layout), check,
+                       which);
+    }
+  }
+}
+
+// A non-finite input never reaches a forward output that does not depend on
+// it — in particular not through a masked entry of a partially masked tile
+// (P = 0 times a NaN/Inf value, or a NaN logit that the mask removes).
+TEST(NumericsPoison, ForwardConfinedToDependentRows) {
+  CheckAllPoisonCases(PoisonCheck::kConfinement, Outputs::kForward);
+}
+
+// The same for the gradients (dS K, dS^T Q and P^T dO over masked entries).
+TEST(NumericsPoison, BackwardConfinedToDependentRows) {
+  CheckAllPoisonCases(PoisonCheck::kConfinement, Outputs::kBackward);
+}
+
+// A row that does depend on a non-finite input is non-finite: the NaN is
+// reported, not silently turned into an empty row (out 0, lse -inf) or a
+// finite value.
+TEST(NumericsPoison, DependentForwardRowsAreNonFinite) {
+  CheckAllPoisonCases(PoisonCheck::kPropagation, Outputs::kForward);
+}
+
+TEST(NumericsPoison, DependentGradientsAreNonFinite) {
+  CheckAllPoisonCases(PoisonCheck::kPropagation, Outputs::kBackward);
+}
+
+// ---- Large logits -------------------------------------------------------
+
+// q and k hold integers in [-100, 100] and D = 16, so every dot product is
+// exact in f32 (|sum| <= 1.6e5 < 2^24) and in bf16/f16 storage; with the
+// default scale 1/4 (exact) the logits are exact integers/4 of magnitude up
+// to ~1e4. The only rounding left is in exp() and the sums: the kernels may
+// form s * log2(e) in f32, an absolute exponent error of about
+// |s| * 2u ~ 1e4 * 1.2e-7 = 1.2e-3 per logit, which moves each probability by
+// that relative amount; out moves by at most ~2 * that * max|v| and the
+// gradients by a few times that relative to their largest value. Tolerances:
+// out 1e-2 * max|v|, lse 1e-5 * max|lse|, gradients 2e-2 * their max. An
+// overflow (exp(1e4) = inf) gives inf/NaN; a wrong row under such a peaked
+// softmax picks another v row: errors of O(1).
+OwnedInputs LargeLogitProblem(DType dtype, bool sinks, Rng& rng) {
+  ProblemSpec spec;
+  spec.b = 1;
+  spec.sq = 128;
+  spec.skv = 128;
+  spec.h = 2;
+  spec.hkv = 1;
+  spec.d = 16;
+  spec.dv = 16;
+  spec.sinks = sinks;
+  OwnedInputs in = RandomInputs(rng, spec);
+  std::uniform_int_distribution<int> dist(-100, 100);
+  auto integers = [&](Tensor& t) {
+    std::vector<double> v(static_cast<size_t>(t.numel()));
+    for (double& x : v) x = dist(rng);
+    t = TensorFromDoubles(v, dtype, t.shape());
+  };
+  integers(in.q);
+  integers(in.k);
+  in.v = TensorFromDoubles(ToDoubles(in.v.view()), dtype, in.v.shape());
+  if (sinks) {
+    // Sinks beyond, inside and below the logit range.
+    const float s[] = {1.2e4f, -9.0e3f};
+    std::memcpy(in.sinks.data(), s, sizeof s);
+  }
+  return in;
+}
+
+double MaxAbsLogit(const OwnedInputs& in) {
+  const RefProblem p = MakeRefProblem(in.inputs(), AttentionOptions{});
+  double m = 0;
+  for (int64_t i = 0; i < p.sq; ++i) {
+    for (int64_t h = 0; h < p.h; ++h) {
+      for (int64_t j = 0; j < p.skv; ++j) {
+        double dot = 0;
+        for (int64_t e = 0; e < p.d; ++e) {
+          dot += p.q[((i * p.h) + h) * p.d + e] * p.k[(j * p.hkv + h / (p.h / p.hkv)) * p.d + e];
+        }
+        m = std::max(m, std::fabs(p.scale * dot));
+      }
+    }
+  }
+  return m;
+}
+
+void ExpectLargeLogitsMatch(const ApiResult& api, const RefResult& ref, const OwnedInputs& in,
+                            const std::string& what) {
+  const double max_v = MaxAbs(ToDoubles(in.v.view()));
+  const Comparison out = Compare(api.out, ref.fwd.out);
+  const Comparison lse = Compare(api.lse, ref.fwd.lse);
+  EXPECT_FALSE(out.nonfinite_mismatch) << what << ": out " << out.Describe();
+  EXPECT_FALSE(lse.nonfinite_mismatch) << what << ": lse " << lse.Describe();
+  EXPECT_LE(out.max_abs_err, 1e-2 * max_v) << what << ": out " << out.Describe();
+  EXPECT_LE(lse.Relative(1.0), 1e-5) << what << ": lse " << lse.Describe();
+  const std::pair<const char*, std::pair<const std::vector<double>*, const std::vector<double>*>>
+      grads[] = {{"dq", {&api.dq, &ref.bwd.dq}},
+                 {"dk", {&api.dk, &ref.bwd.dk}},
+                 {"dv", {&api.dv, &ref.bwd.dv}},
+                 {"dsinks", {&api.dsinks, &ref.bwd.dsinks}}};
+  for (const auto& [name, pair] : grads) {
+    const Comparison c = Compare(*pair.first, *pair.second);
+    EXPECT_LE(c.Relative(1e-6), 2e-2) << what << ": " << name << " " << c.Describe();
+  }
+}
+
+TEST(NumericsLargeLogits, NoOverflowWithoutSoftCap) {
+  for (DType dtype : {DType::kF32, DType::kBF16, DType::kF16}) {
+    for (bool sinks : {false, true}) {
+      Rng rng(55);
+      const OwnedInputs in = LargeLogitProblem(dtype, sinks, rng);
+      const double max_logit = MaxAbsLogit(in);
+      ASSERT_GT(max_logit, 5e3) << "the test must really reach logits of order 1e4";
+      ASSERT_LT(max_logit, 4e4);
+      const Tensor dout = RandomTensor(rng, DType::kF32, OutShape(in));
+      for (const Mask& mask : {Mask::Full(), Mask::Causal()}) {
+        AttentionOptions opt;
+        opt.mask = mask;
+        const RefResult ref = RunReference(in, opt, &dout);
+        for (KernelPath path : SupportedKernelPaths()) {
+          opt.kernel_path = path;
+          const std::string what = std::string(DTypeName(dtype)) + (sinks ? " sinks " : " ") +
+                                   mask.ToString() + " path " + KernelPathName(path) +
+                                   ", max |logit| " + std::to_string(max_logit);
+          ExpectLargeLogitsMatch(RunAttention(in, opt, &dout), ref, in, what);
+        }
+        // The ring merges partial (out, lse) pairs whose lse differ by ~1e4.
+        ExpectLargeLogitsMatch(RunRingThreads(in, opt, dout, 4, Layout::kZigzag), ref, in,
+                               std::string(DTypeName(dtype)) + " ring of 4, " + mask.ToString());
+      }
+    }
+  }
+}
+
+// ---- Fully masked rows --------------------------------------------------
+
+// Rows with no allowed key: out exactly 0, lse exactly -inf (or exactly the
+// sink), dq exactly 0, keys nobody attends to get dk = dv = 0, and no NaN
+// anywhere; the rest matches the reference (kOutTol / kGradTol as above;
+// 16-bit inputs only change the values, which the reference sees as stored).
+void ExpectEmptyRowsClean(const OwnedInputs& in, const ApiResult& api, const RefResult& ref,
+                          const std::string& what) {
+  const AttentionInputs ai = in.inputs();
+  const int64_t sq = ai.q.shape[1], h = ai.q.shape[2], dv = ai.v.shape[3], d = ai.q.shape[3];
+  int64_t empty_rows = 0;
+  for (size_t r = 0; r < ref.fwd.lse.size(); ++r) {
+    const bool empty = ref.fwd.lse[r] == -kInf;
+    const int64_t head = static_cast<int64_t>(r) / sq % h;
+    const bool sink_only = ai.sinks.defined() &&
+                           ref.fwd.lse[r] == static_cast<double>(in.sinks.data_as<float>()[head]);
+    if (!empty && !sink_only) continue;
+    ++empty_rows;
+    if (empty) {
+      EXPECT_EQ(api.lse[r], -kInf) << what << " lse row " << r;
+    } else {
+      EXPECT_NEAR(api.lse[r], ref.fwd.lse[r], 1e-6) << what << " lse row " << r;
+    }
+    const int64_t b = static_cast<int64_t>(r) / (h * sq), i = static_cast<int64_t>(r) % sq;
+    for (int64_t e = 0; e < dv; ++e) {
+      EXPECT_EQ(api.out[static_cast<size_t>(((b * sq + i) * h + head) * dv + e)], 0.0)
+          << what << " out row " << r;
+    }
+    for (int64_t e = 0; e < d; ++e) {
+      EXPECT_EQ(api.dq[static_cast<size_t>(((b * sq + i) * h + head) * d + e)], 0.0)
+          << what << " dq row " << r;
+    }
+  }
+  EXPECT_GT(empty_rows, 0) << what << ": the case must have empty rows";
+  for (const std::vector<double>* v :
+       {&api.out, &api.lse, &api.dq, &api.dk, &api.dv, &api.dsinks}) {
+    EXPECT_FALSE(HasNaN(*v)) << what;
+  }
+  for (size_t x = 0; x < ref.bwd.dk.size(); ++x) {
+    if (ref.bwd.dk[x] == 0.0) {
+      EXPECT_EQ(api.dk[x], 0.0) << what << " dk " << x;
+    }
+  }
+  for (size_t x = 0; x < ref.bwd.dv.size(); ++x) {
+    if (ref.bwd.dv[x] == 0.0) {
+      EXPECT_EQ(api.dv[x], 0.0) << what << " dv " << x;
+    }
+  }
+  const bool low = ai.q.dtype != DType::kF32;
+  const Errors e = ErrorsOf(api, ref);
+  const double tol = low ? 1e-2 : kOutTol;  // bf16 P rounding on the bf16 path
+  EXPECT_LT(e.out, tol) << what << ": " << e.Describe();
+  EXPECT_LT(e.lse, kOutTol) << what << ": " << e.Describe();
+  EXPECT_LT(std::max({e.dq, e.dk, e.dv}), low ? 1e-2 : kGradTol) << what << ": " << e.Describe();
+}
+
+TEST(NumericsEmptyRows, SingleDeviceAndRing) {
+  struct Case {
+    std::string name;
+    Mask mask;
+    bool sinks, segments;
+  };
+  const Case cases[] = {
+      {"causal:-40 (first 40 rows empty)", Mask::Causal(-40), false, false},
+      {"causal:-40 with sinks", Mask::Causal(-40), true, false},
+      {"segments with ids no key has", Mask::Full(), false, true},
+      {"everything masked", Mask::Causal(-1000), false, false},
+      {"everything masked, sinks", Mask::Causal(-1000), true, false},
+  };
+  for (const Case& c : cases) {
+    for (DType dtype : {DType::kF32, DType::kBF16, DType::kF16}) {
+      ProblemSpec spec;
+      spec.b = 2;
+      spec.sq = 96;
+      spec.skv = 96;
+      spec.h = 2;
+      spec.hkv = 2;
+      spec.d = 16;
+      spec.dv = 8;
+      spec.dtype = dtype;
+      spec.sinks = c.sinks;
+      Rng rng(8);
+      OwnedInputs in = RandomInputs(rng, spec);
+      if (c.segments) {
+        // q ids 0..2, kv ids 1..3: q rows of document 0 have no key at all.
+        in.q_seg = RandomSegments(rng, spec.b, spec.sq, 3, 0);
+        in.kv_seg = RandomSegments(rng, spec.b, spec.skv, 3, 1);
+      }
+      const Tensor dout = RandomTensor(rng, DType::kF32, OutShape(in));
+      AttentionOptions opt;
+      opt.mask = c.mask;
+      const RefResult ref = RunReference(in, opt, &dout);
+      const std::string what = c.name + " " + DTypeName(dtype);
+      for (KernelPath path : SupportedKernelPaths()) {
+        opt.kernel_path = path;
+        ExpectEmptyRowsClean(in, RunAttention(in, opt, &dout), ref,
+                             what + " path " + KernelPathName(path));
+      }
+      opt.kernel_path = KernelPath::kAuto;
+      for (Layout layout : {Layout::kContiguous, Layout::kZigzag, Layout::kStriped}) {
+        ExpectEmptyRowsClean(in, RunRingThreads(in, opt, dout, 4, layout), ref,
+                             what + " ring of 4 " + LayoutName(layout));
+      }
+    }
+  }
+}
+
+// ---- f16 overflow -------------------------------------------------------
+
+// An f16 gradient whose value exceeds the f16 range (65504) must be reported
+// (an Error naming the output), not silently stored as infinity. Here dv_0 =
+// sum_i p_i0 dout_i with a single key (p = 1) and 128 rows of dout = 1000:
+// dv_0 = 128000 in every element. q, k, v, dout are all representable in f16.
+TEST(NumericsF16, GradientOverflowIsReported) {
+  const int64_t sq = 128;
+  Tensor q(DType::kF16, {1, sq, 1, 16}), k(DType::kF16, {1, 1, 1, 16});
+  Tensor v(DType::kF16, {1, 1, 1, 16}), dout(DType::kF16, {1, sq, 1, 16});
+  FromDoubles(std::vector<double>(static_cast<size_t>(dout.numel()), 1000.0), dout.view());
+  FromDoubles(std::vector<double>(16, 1.0), v.view());
+  AttentionInputs in;
+  in.q = q.view();
+  in.k = k.view();
+  in.v = v.view();
+  Tensor out(DType::kF16, {1, sq, 1, 16}), lse(DType::kF32, {1, 1, sq});
+  AttentionForward(in, AttentionOptions{}, out.view(), lse.view());
+  Tensor dq(DType::kF16, {1, sq, 1, 16}), dk(DType::kF16, {1, 1, 1, 16});
+  Tensor dv(DType::kF16, {1, 1, 1, 16});
+  try {
+    AttentionBackward(in, AttentionOptions{}, out.view(), lse.view(), dout.view(), dq.view(),
+                      dk.view(), dv.view(), TensorView());
+    ADD_FAILURE() << "dv = 128000 does not fit in f16 (max 65504) but no Error was thrown; dv[0] "
+                  << "was stored as " << LoadAsF32(dv.view(), 0);
+  } catch (const Error& e) {
+    EXPECT_EQ(std::string(e.what()).rfind("dv", 0), 0u) << e.what();
+  }
+  // The same call with f32 gradients is fine and exact.
+  Tensor dv32(DType::kF32, {1, 1, 1, 16}), dq32(DType::kF32, {1, sq, 1, 16});
+  Tensor dk32(DType::kF32, {1, 1, 1, 16});
+  AttentionBackward(in, AttentionOptions{}, out.view(), lse.view(), dout.view(), dq32.view(),
+                    dk32.view(), dv32.view(), TensorView());
+  EXPECT_EQ(dv32.data_as<float>()[0], 128000.0f);
+}
+
+}  // namespace
+}  // namespace ringsplash::testing
