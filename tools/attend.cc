@@ -132,7 +132,8 @@ void RunAttendThreads(const AttendArgs& args, const AttendPlan& plan) {
   const std::vector<OutputSpec> specs = PlanOutputs(args, files.dims);
   std::vector<npy::NpyOutputFile> outputs;
   for (const OutputSpec& s : specs) {
-    outputs.push_back(npy::NpyOutputFile::Create(pending.Add(s.path), npy::NpyType::kF32, s.shape));
+    outputs.push_back(
+        npy::NpyOutputFile::Create(pending.Add(s.path), npy::NpyType::kF32, s.shape, s.path));
   }
 
   Loaded l = LoadInputs(files, plan, Iota(files.dims.sq), Iota(files.dims.skv));
@@ -190,7 +191,8 @@ void RunAttendMpiRank(Communicator& comm, const AttendArgs& args, const AttendPl
   for (const OutputSpec& s : specs) temps.push_back(pending.Add(s.path));
   if (rank == 0) {
     for (size_t i = 0; i < specs.size(); ++i) {
-      npy::NpyOutputFile::Create(temps[i], npy::NpyType::kF32, specs[i].shape).Close();
+      npy::NpyOutputFile::Create(temps[i], npy::NpyType::kF32, specs[i].shape, specs[i].path)
+          .Close();
     }
   }
   comm.Barrier();

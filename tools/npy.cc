@@ -507,19 +507,20 @@ void WriteNpy(const std::string& path, NpyType type, std::span<const int64_t> sh
 }
 
 NpyOutputFile NpyOutputFile::Create(const std::string& path, NpyType type,
-                                    std::vector<int64_t> shape) {
+                                    std::vector<int64_t> shape, const std::string& name) {
   NpyOutputFile f;
-  f.path_ = path;
+  f.path_ = name.empty() ? path : name;
   f.type_ = type;
   const std::string header = FormatHeader(type, shape);
   f.data_offset_ = header.size();
   f.numel_ = 1;
   for (int64_t d : shape) f.numel_ *= d;
   f.fd_ = ::open(path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
-  Check(f.fd_ >= 0, path, ": cannot create: ", ErrnoText());
-  PwriteAll(f.fd_, header.data(), header.size(), 0, path);
+  Check(f.fd_ >= 0, f.path_, ": cannot create: ", ErrnoText());
+  PwriteAll(f.fd_, header.data(), header.size(), 0, f.path_);
   const off_t total = static_cast<off_t>(f.data_offset_ + f.numel_ * ItemSize(type));
-  Check(::ftruncate(f.fd_, total) == 0, path, ": cannot size to ", total, " bytes: ", ErrnoText());
+  Check(::ftruncate(f.fd_, total) == 0, f.path_, ": cannot size to ", total,
+        " bytes: ", ErrnoText());
   return f;
 }
 

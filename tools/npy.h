@@ -103,8 +103,10 @@ void WriteNpy(const std::string& path, NpyType type, std::span<const int64_t> sh
 class NpyOutputFile {
  public:
   // Creates `path` exclusively (it must not exist), writes the header and sets
-  // the file size for the whole data (zero-filled).
-  static NpyOutputFile Create(const std::string& path, NpyType type, std::vector<int64_t> shape);
+  // the file size for the whole data (zero-filled). Errors name `name` (e.g.
+  // the destination a temporary stands for), or `path` if it is empty.
+  static NpyOutputFile Create(const std::string& path, NpyType type, std::vector<int64_t> shape,
+                              const std::string& name = "");
   // Opens a file made by Create (by another process) for writing, checking its
   // header matches type/shape.
   static NpyOutputFile OpenExisting(const std::string& path, NpyType type,

@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cerrno>
 #include <csignal>
 #include <cstdio>
 #include <cstring>
@@ -71,6 +72,9 @@ std::string PendingOutputs::Add(const std::string& final_path) {
   const size_t slash = final_path.rfind('/');
   const std::string dir = slash == std::string::npos ? "" : final_path.substr(0, slash + 1);
   const std::string base = slash == std::string::npos ? final_path : final_path.substr(slash + 1);
+  // Checked here so the message names the user's path, not the temporary.
+  Check(::access(dir.empty() ? "." : dir.c_str(), W_OK | X_OK) == 0, final_path,
+        ": cannot create: ", std::strerror(errno));
   Entry e{final_path, dir + "." + base + "." + std::to_string(token_) + ".ringsplash-tmp"};
   if (owner_) Track(e.temp_path);
   entries_.push_back(e);
