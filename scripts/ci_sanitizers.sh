@@ -38,8 +38,11 @@ run_asan() {
   # Leak checking stays on. Open MPI allocates at MPI_Init and does not free
   # everything at MPI_Finalize (its own documented behaviour, not ours): those
   # reports are suppressed by tests/reliability/lsan_mpi.supp, which names only
-  # Open MPI's libraries. halt_on_error: the first report fails the test.
-  ASAN_OPTIONS=abort_on_error=1:detect_leaks=1:check_initialization_order=1:strict_string_checks=1 \
+  # Open MPI's libraries. Open MPI is built without frame pointers, so the
+  # fast unwinder stops at its first frame ("<unknown module>") and no
+  # suppression could match: fast_unwind_on_malloc=0 unwinds with DWARF.
+  # UBSan: the first report fails the test (-fno-sanitize-recover=all too).
+  ASAN_OPTIONS=abort_on_error=1:detect_leaks=1:check_initialization_order=1:strict_string_checks=1:fast_unwind_on_malloc=0 \
   LSAN_OPTIONS=suppressions=$PWD/tests/reliability/lsan_mpi.supp:print_suppressions=0 \
   UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
     ctest --test-dir build-asan --output-on-failure -j"$jobs" --timeout 900 "${extra[@]}"
