@@ -2,8 +2,9 @@
 //
 // A register-only micro-benchmark: many independent accumulator chains of the
 // widest multiply-add the CPU has, on `threads` threads at once, for a fixed
-// time. f32: _mm512_fmadd_ps (16 lanes x 2 FLOP). bf16: _mm512_dpbf16_ps
-// (32 bf16 pairs x 2 FLOP = 64 FLOP). Without AVX-512: a portable scalar
+// time. f32: _mm512_fmadd_ps (16 lanes x 2 FLOP). bf16: the faster of
+// _mm512_dpbf16_ps (32 bf16 pairs x 2 FLOP = 64 FLOP) and the f32 FMA loop
+// (bf16 data can be computed either way). Without AVX-512: a portable scalar
 // loop, which is what a portable build could reach. Dispatch is at run time
 // (SupportedKernelPaths), so one binary runs on any x86-64.
 #ifndef RINGSPLASH_TOOLS_PEAK_H_
