@@ -86,8 +86,8 @@ void AttentionForward(const AttentionInputs& in, const AttentionOptions& opt, Te
 // (shape of out). Writes dq, dk, dv (shapes of q, k, v; f32 or the input
 // dtype) and, when sinks are given, dsinks [H] f32.
 void AttentionBackward(const AttentionInputs& in, const AttentionOptions& opt, TensorView out,
-                       TensorView lse, TensorView dout, TensorView dq, TensorView dk,
-                       TensorView dv, TensorView dsinks, KernelStats* stats = nullptr);
+                       TensorView lse, TensorView dout, TensorView dq, TensorView dk, TensorView dv,
+                       TensorView dsinks, KernelStats* stats = nullptr);
 
 // Validates inputs and options as both entry points do (exposed for the ring
 // and the CLI so every layer reports the same messages). Returns nothing; throws.

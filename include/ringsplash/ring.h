@@ -54,8 +54,8 @@ struct RingOptions {
 
 // What one ring step cost on this rank.
 struct RingStepStats {
-  int source_rank = 0;        // whose k/v slice was processed
-  double compute_seconds = 0;  // kernel time
+  int source_rank = 0;           // whose k/v slice was processed
+  double compute_seconds = 0;    // kernel time
   double comm_wait_seconds = 0;  // time blocked in Wait (exposed communication)
   KernelStats kernel;
 };
@@ -93,10 +93,9 @@ struct RingRun {
   CommOptions comm;
 };
 std::vector<RankStats> RingAttentionThreads(const RingRun& run, const AttentionInputs& global,
-                                            TensorView out, TensorView lse,
-                                            TensorView dout = {}, TensorView dq = {},
-                                            TensorView dk = {}, TensorView dv = {},
-                                            TensorView dsinks = {});
+                                            TensorView out, TensorView lse, TensorView dout = {},
+                                            TensorView dq = {}, TensorView dk = {},
+                                            TensorView dv = {}, TensorView dsinks = {});
 
 }  // namespace ringsplash
 

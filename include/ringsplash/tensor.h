@@ -86,7 +86,9 @@ class Tensor {
   TensorView view() const;
   void* data() const { return data_; }
   template <typename T>
-  T* data_as() const { return static_cast<T*>(data_); }
+  T* data_as() const {
+    return static_cast<T*>(data_);
+  }
   DType dtype() const { return dtype_; }
   const std::vector<int64_t>& shape() const { return shape_; }
   int64_t numel() const;

@@ -75,9 +75,9 @@ uint16_t F32ToF16(float f) {
   std::memcpy(&u, &f, 4);
   const uint16_t sign = static_cast<uint16_t>((u >> 16) & 0x8000u);
   const uint32_t abs = u & 0x7fffffffu;
-  if (abs > 0x7f800000u) return sign | 0x7e00u;    // NaN
-  if (abs >= 0x477ff000u) return sign | 0x7c00u;   // rounds to >= 65520: inf
-  if (abs < 0x38800000u) {                         // subnormal or zero in f16
+  if (abs > 0x7f800000u) return sign | 0x7e00u;   // NaN
+  if (abs >= 0x477ff000u) return sign | 0x7c00u;  // rounds to >= 65520: inf
+  if (abs < 0x38800000u) {                        // subnormal or zero in f16
     float a;
     std::memcpy(&a, &abs, 4);
     // Round to nearest even multiple of 2^-24.

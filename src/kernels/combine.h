@@ -34,8 +34,8 @@ void ComputeDelta(const TensorView& dout, const TensorView& out, float* delta);
 
 // dsinks[h] += -sum_{b, i} exp(sinks[h] - lse[b, h, i]) * delta[b, h, i]
 // over the rows given (a rank's rows; the ring all-reduces the sum).
-void AccumulateDSinks(const RowShape& s, const float* sinks, const float* lse,
-                      const float* delta, float* dsinks);
+void AccumulateDSinks(const RowShape& s, const float* sinks, const float* lse, const float* delta,
+                      float* dsinks);
 
 }  // namespace ringsplash::kernels
 

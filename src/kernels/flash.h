@@ -19,11 +19,11 @@
 namespace ringsplash::kernels {
 
 struct FlashParams {
-  TensorView q;  // [B, Sq, H, D]    f32 | bf16 | f16, any strides
-  TensorView k;  // [B, Skv, Hkv, D] same dtype
-  TensorView v;  // [B, Skv, Hkv, Dv] same dtype
-  TensorView q_segments;   // [B, Sq] i32, or undefined
-  TensorView kv_segments;  // [B, Skv] i32, or undefined (defined iff q_segments is)
+  TensorView q;                     // [B, Sq, H, D]    f32 | bf16 | f16, any strides
+  TensorView k;                     // [B, Skv, Hkv, D] same dtype
+  TensorView v;                     // [B, Skv, Hkv, Dv] same dtype
+  TensorView q_segments;            // [B, Sq] i32, or undefined
+  TensorView kv_segments;           // [B, Skv] i32, or undefined (defined iff q_segments is)
   const int64_t* q_pos = nullptr;   // [Sq] global positions of q rows
   const int64_t* kv_pos = nullptr;  // [Skv] global positions of k/v rows
   const Mask* mask = nullptr;
@@ -47,9 +47,9 @@ void FlashForward(const FlashParams& p, ThreadPool& pool, float* out, float* lse
 // FINAL lse (all k/v and sinks); delta [B, H, Sq] = rowsum(dout * out) (f32).
 // dk/dv sum over every query head of a group. Race-free and deterministic:
 // no float atomics; the result does not depend on the thread count.
-void FlashBackward(const FlashParams& p, ThreadPool& pool, const TensorView& dout,
-                   const float* lse, const float* delta, float* dq_acc, float* dk_acc,
-                   float* dv_acc, KernelStats* stats);
+void FlashBackward(const FlashParams& p, ThreadPool& pool, const TensorView& dout, const float* lse,
+                   const float* delta, float* dq_acc, float* dk_acc, float* dv_acc,
+                   KernelStats* stats);
 
 }  // namespace ringsplash::kernels
 

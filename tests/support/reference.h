@@ -14,14 +14,14 @@ namespace ringsplash::testing {
 // All tensors f64 (or i32 segments), C order, model layout.
 struct RefProblem {
   int64_t b = 1, sq = 0, skv = 0, h = 1, hkv = 1, d = 0, dv = 0;
-  std::vector<double> q;         // [B, Sq, H, D]
-  std::vector<double> k;         // [B, Skv, Hkv, D]
-  std::vector<double> v;         // [B, Skv, Hkv, Dv]
-  std::vector<double> sinks;     // [H] or empty
-  std::vector<int32_t> q_seg;    // [B, Sq] or empty
-  std::vector<int32_t> kv_seg;   // [B, Skv] or empty
-  std::vector<int64_t> q_pos;    // [Sq] global positions, empty: 0..Sq-1
-  std::vector<int64_t> kv_pos;   // [Skv], empty: 0..Skv-1
+  std::vector<double> q;        // [B, Sq, H, D]
+  std::vector<double> k;        // [B, Skv, Hkv, D]
+  std::vector<double> v;        // [B, Skv, Hkv, Dv]
+  std::vector<double> sinks;    // [H] or empty
+  std::vector<int32_t> q_seg;   // [B, Sq] or empty
+  std::vector<int32_t> kv_seg;  // [B, Skv] or empty
+  std::vector<int64_t> q_pos;   // [Sq] global positions, empty: 0..Sq-1
+  std::vector<int64_t> kv_pos;  // [Skv], empty: 0..Skv-1
   Mask mask;
   double scale = 0;    // 0: 1/sqrt(D)
   double softcap = 0;  // 0: none
