@@ -158,3 +158,31 @@ TEST(MaskParserTest, ErrorsSayWhatWasExpected) {
 
 }  // namespace
 }  // namespace ringsplash
+
+namespace ringsplash {
+namespace {
+
+// Hostile text must be an Error, never a stack overflow: the parser recurses
+// per '(' and the mask tree is walked recursively (reviewer's finding: 200k
+// nested parentheses crashed the CLI with SIGSEGV).
+TEST(MaskParserTest, DeepNestingAndHugeTextsAreErrorsNotCrashes) {
+  const std::string deep = std::string(200000, '(') + "causal" + std::string(200000, ')');
+  try {
+    Mask::Parse(deep);
+    FAIL() << "expected an Error";
+  } catch (const Error& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find("nested deeper than"), std::string::npos) << msg;
+    EXPECT_LT(msg.size(), 400u) << "the message quotes long text only in part";
+  }
+  std::string many = "causal";
+  for (int i = 0; i < 100000; ++i) many += "&full";
+  EXPECT_THROW(Mask::Parse(many), Error);
+  // Moderate nesting still parses and means what it says.
+  const Mask m = Mask::Parse(std::string(32, '(') + "causal" + std::string(32, ')'));
+  EXPECT_TRUE(m.Allowed(0, 5, 5));
+  EXPECT_FALSE(m.Allowed(0, 5, 6));
+}
+
+}  // namespace
+}  // namespace ringsplash

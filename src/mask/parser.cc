@@ -37,11 +37,21 @@ struct Token {
   std::string_view text;
 };
 
+// Bounds that keep parsing, evaluation and destruction of the mask tree (all
+// recursive) far from the stack limit; real masks use a handful of terms.
+constexpr int64_t kMaxDepth = 64;
+constexpr int64_t kMaxTerms = 256;
+
 class Parser {
  public:
   explicit Parser(std::string_view text) : text_(text) { Tokenize(); }
 
   Mask Parse() {
+    int64_t terms = 0;
+    for (const Token& t : tokens_) terms += t.kind == TokenKind::kTerm;
+    if (terms > kMaxTerms) {
+      Reject("too many terms (", terms, "; at most ", kMaxTerms, ")");
+    }
     if (tokens_.size() == 1) {
       Reject("empty mask text (expected terms ", kExpectedTerms, " joined with & and |)");
     }
@@ -53,7 +63,11 @@ class Parser {
  private:
   template <typename... Args>
   [[noreturn]] void Reject(Args&&... parts) const {
-    Fail("mask '", text_, "': ", std::forward<Args>(parts)...);
+    // Quote long texts only in part: the message is one line on a terminal.
+    constexpr size_t kQuoteMax = 120;
+    const std::string_view quoted = text_.substr(0, kQuoteMax);
+    Fail("mask '", quoted, text_.size() > kQuoteMax ? "..." : "",
+         "': ", std::forward<Args>(parts)...);
   }
 
   void Tokenize() {
@@ -115,7 +129,11 @@ class Parser {
         return ParseTerm(tok.text);
       case TokenKind::kOpen: {
         ++pos_;
+        // The parser recurses once per '(': bound it so hostile text is an
+        // Error, not a stack overflow.
+        if (++depth_ > kMaxDepth) Reject("parentheses nested deeper than ", kMaxDepth);
         Mask mask = ParseOr();
+        --depth_;
         if (Peek().kind != TokenKind::kClose) Reject("unclosed '(' (expected ')')");
         ++pos_;
         return mask;
@@ -220,6 +238,7 @@ class Parser {
 
   std::string_view text_;
   std::vector<Token> tokens_;
+  int64_t depth_ = 0;
   size_t pos_ = 0;
 };
 
