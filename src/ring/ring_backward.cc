@@ -141,13 +141,15 @@ void RingAttentionBackward(Communicator& comm, const AttentionInputs& local,
                            TensorView dsinks, RankStats* stats) {
   BackwardScratch scratch;  // outlives the try: see BackwardScratch
   try {
-    const RingSetup s = ring_internal::PrepareRing(comm, local, options);
+    const RingSetup s = ring_internal::PrepareRing(comm, local, options, /*backward=*/true);
     kernels::ValidateBackwardArgs(s.dims, local, out, lse, dout, dq, dk, dv, dsinks);
     if (stats != nullptr) {
       stats->rank = s.rank;
       stats->backward_steps.clear();
     }
     BackwardSteps(comm, s, local, out, lse, dout, dq, dk, dv, dsinks, scratch, stats);
+  } catch (const ring_internal::RanksDisagree&) {
+    throw;  // every rank threw it after the same collective: nothing to abort
   } catch (const std::exception& e) {
     comm.Abort(e.what());
     throw;

@@ -62,8 +62,8 @@ kernels::FlashParams RingSetup::StepParams(const SliceLayout& layout, void* slic
   return p;
 }
 
-RingSetup PrepareRing(const Communicator& comm, const AttentionInputs& local,
-                      const RingOptions& options) {
+RingSetup PrepareRing(Communicator& comm, const AttentionInputs& local, const RingOptions& options,
+                      bool backward) {
   RingSetup s;
   s.rank = comm.rank();
   s.num_ranks = comm.size();
@@ -73,6 +73,9 @@ RingSetup PrepareRing(const Communicator& comm, const AttentionInputs& local,
         local.q_positions.size(), " and ", local.kv_positions.size());
   const AttentionOptions& opt = options.attention;
   s.dims = kernels::ValidateInputsAndOptions(local, opt);
+  const float scale = opt.scale ? *opt.scale : 1.0f / std::sqrt(static_cast<float>(s.dims.d));
+  // Before anything derived from this rank's own view of the global problem.
+  CheckRanksAgree(comm, local, options, s.dims, scale, backward);
   const int n = s.num_ranks;
   s.sq_global = s.dims.sq * n;
   s.skv_global = s.dims.skv * n;
@@ -94,7 +97,7 @@ RingSetup PrepareRing(const Communicator& comm, const AttentionInputs& local,
   p.q_segments = local.q_segments;
   p.q_pos = s.q_pos.data();
   p.mask = &opt.mask;
-  p.scale = opt.scale ? *opt.scale : 1.0f / std::sqrt(static_cast<float>(s.dims.d));
+  p.scale = scale;
   p.softcap = opt.softcap ? *opt.softcap : 0.0f;
   p.blocks = opt.block_sizes;
   p.path = ResolveKernelPath(opt.kernel_path);

@@ -102,13 +102,15 @@ void RingAttentionForward(Communicator& comm, const AttentionInputs& local,
                           RankStats* stats) {
   ForwardScratch scratch;  // outlives the try: see ForwardScratch
   try {
-    const RingSetup s = ring_internal::PrepareRing(comm, local, options);
+    const RingSetup s = ring_internal::PrepareRing(comm, local, options, /*backward=*/false);
     kernels::ValidateForwardOutputs(s.dims, local.q.dtype, out, lse);
     if (stats != nullptr) {
       stats->rank = s.rank;
       stats->forward_steps.clear();
     }
     ForwardSteps(comm, s, local, out, lse, scratch, stats);
+  } catch (const ring_internal::RanksDisagree&) {
+    throw;  // every rank threw it after the same collective: nothing to abort
   } catch (const std::exception& e) {
     // Peers must not wait for a rank that gave up (no-op if a peer failed
     // first or the fault injection already aborted).

@@ -12,6 +12,7 @@
 
 #include "ringsplash/attention.h"
 #include "ringsplash/comm.h"
+#include "ringsplash/error.h"
 #include "ringsplash/ring.h"
 #include "ringsplash/tensor.h"
 #include "src/kernels/combine.h"
@@ -65,11 +66,32 @@ struct RingSetup {
   kernels::RowShape Rows() const { return {dims.b, dims.sq, dims.h, dims.dv}; }
 };
 
+// Thrown, identically on every rank, when the ranks of one ring call passed
+// different collective arguments. Every rank detects it from the same
+// all-reduced numbers after the last collective of the check, so no
+// transfer is in flight and nobody waits: the ring entry points rethrow it
+// without Communicator::Abort, and the communicator stays usable.
+class RanksDisagree : public Error {
+ public:
+  using Error::Error;
+};
+
+// Collective: compares, across the ranks of `comm`, the arguments every rank
+// must share — local Sq, Skv, B, H, Hkv, D, Dv, dtype, layout, mask (text and
+// dense bytes), effective `scale`, soft cap, presence of segment ids and of
+// sinks, the sinks values, block sizes, forward vs backward — and throws
+// RanksDisagree naming the first difference ("ring: rank 1 passed q with 32
+// local rows but rank 0 passed 16"). One all-reduce of 4 x N floats when
+// the ranks agree (see agreement.cc); nothing with a single rank.
+void CheckRanksAgree(Communicator& comm, const AttentionInputs& local, const RingOptions& options,
+                     const kernels::AttentionDims& dims, float scale, bool backward);
+
 // Validates the local inputs and options as the single-device entry points
-// do, plus the ring's own rules (no explicit positions, lengths divisible per
-// layout, dense masks covering the GLOBAL extent) and fills the setup.
-RingSetup PrepareRing(const Communicator& comm, const AttentionInputs& local,
-                      const RingOptions& options);
+// do, checks that the ranks agree (CheckRanksAgree; collective), then the
+// ring's own rules (no explicit positions, lengths divisible per layout,
+// dense masks covering the GLOBAL extent) and fills the setup.
+RingSetup PrepareRing(Communicator& comm, const AttentionInputs& local, const RingOptions& options,
+                      bool backward);
 
 // Throws Error("injected fault at rank R step S") — after telling the peers
 // through comm.Abort — when the fault spec names this rank, step and pass.
