@@ -147,6 +147,12 @@ std::vector<ErrorCase> Cases() {
   // sinks
   add("sinks_shape", W::kInputs, [](Call& x) { x.in.sinks = x.Make(DType::kF32, {3}); },
       {"sinks:", "[H=4] f32", "[3] f32"});
+  add("sinks_nan", W::kInputs, [nan](Call& x) { x.owned.sinks.data_as<float>()[2] = nan; },
+      {"sinks[2]:", "finite", "nan"});
+  add("sinks_inf", W::kInputs, [inf](Call& x) { x.owned.sinks.data_as<float>()[0] = inf; },
+      {"sinks[0]:", "finite", "inf"});
+  add("sinks_minus_inf", W::kInputs, [inf](Call& x) { x.owned.sinks.data_as<float>()[3] = -inf; },
+      {"sinks[3]:", "finite", "-inf"});
   add("sinks_dtype", W::kInputs, [](Call& x) { x.in.sinks = x.Make(DType::kBF16, {4}); },
       {"sinks:", "bf16"});
   add("sinks_2d", W::kInputs,

@@ -132,6 +132,13 @@ AttentionDims ValidateInputsAndOptions(const AttentionInputs& in, const Attentio
     CheckBasic(in.sinks, "sinks", 1, e);
     Check(in.sinks.shape[0] == d.h && in.sinks.dtype == DType::kF32, "sinks: expected ", e,
           ", got ", in.sinks.Describe());
+    // A NaN sink makes its whole head NaN and an infinite one NaN gradients
+    // (dsinks = -sum exp(sink - lse) * D with lse = +inf): refuse them here,
+    // O(H), rather than return poisoned results.
+    for (int64_t h = 0; h < d.h; ++h) {
+      const float s = LoadAsF32(in.sinks, h * in.sinks.stride[0]);
+      Check(std::isfinite(s), "sinks[", h, "]: expected a finite value, got ", s);
+    }
   }
 
   const bool has_qs = in.q_segments.defined();
