@@ -249,6 +249,12 @@ std::vector<ErrorCase> Cases() {
       {"lse:", "bf16"});
   add("lse_negative_stride", W::kForwardOutputs, [](Call& x) { x.lse.stride[2] = -1; },
       {"lse:", "stride"});
+  add("out_zero_stride", W::kForwardOutputs, [](Call& x) { x.out.stride[2] = 0; },
+      {"out:", "do not overlap", "stride 0 in dim 2 of size 4"});
+  add("out_equal_strides", W::kForwardOutputs, [](Call& x) { x.out.stride[1] = x.out.stride[2]; },
+      {"out:", "do not overlap", "same stride 8 in dims 1 and 2"});
+  add("lse_zero_stride", W::kForwardOutputs, [](Call& x) { x.lse.stride[0] = 0; },
+      {"lse:", "do not overlap", "stride 0 in dim 0 of size 2"});
   // backward-only arguments
   add("dout_shape", W::kBackwardOnly,
       [](Call& x) {
@@ -280,6 +286,14 @@ std::vector<ErrorCase> Cases() {
       {"dsinks:", "[2] f32"});
   add("dsinks_without_sinks", W::kBackwardOnly, [](Call& x) { x.in.sinks = TensorView(); },
       {"dsinks:", "no sinks"});
+  add("dq_zero_stride", W::kBackwardOnly, [](Call& x) { x.dq.stride[1] = 0; },
+      {"dq:", "do not overlap", "stride 0 in dim 1 of size 8"});
+  add("dk_zero_stride", W::kBackwardOnly, [](Call& x) { x.dk.stride[3] = 0; },
+      {"dk:", "do not overlap", "stride 0 in dim 3 of size 16"});
+  add("dv_equal_strides", W::kBackwardOnly, [](Call& x) { x.dv.stride[0] = x.dv.stride[1]; },
+      {"dv:", "do not overlap", "same stride 16 in dims 0 and 1"});
+  add("dsinks_zero_stride", W::kBackwardOnly, [](Call& x) { x.dsinks.stride[0] = 0; },
+      {"dsinks:", "do not overlap", "stride 0 in dim 0 of size 4"});
   return c;
 }
 
@@ -322,6 +336,27 @@ TEST(ErrorTest, ValidCallPasses) {
   EXPECT_NO_THROW(AttentionForward(call.in, call.opt, call.out, call.lse));
   EXPECT_NO_THROW(AttentionBackward(call.in, call.opt, call.out, call.lse, call.dout, call.dq,
                                     call.dk, call.dv, call.dsinks));
+}
+
+// A stride of 0 on a dim of size 1 aliases nothing: such outputs are fine.
+TEST(ErrorTest, ZeroStrideOnSizeOneOutputDimsPasses) {
+  Rng rng(3);
+  ProblemSpec spec(1, 8, 16, 1, 1, 16, 8);
+  spec.sinks = true;
+  const OwnedInputs owned = RandomInputs(rng, spec);
+  const AttentionInputs in = owned.inputs();
+  AttentionOptions opt;
+  opt.block_sizes = {16, 16};
+  Tensor out(DType::kF32, {1, 8, 1, 8}), lse(DType::kF32, {1, 1, 8});
+  Tensor dq(DType::kF32, {1, 8, 1, 16}), dk(DType::kF32, {1, 16, 1, 16});
+  Tensor dv(DType::kF32, {1, 16, 1, 8}), dsinks(DType::kF32, {1});
+  TensorView o = out.view(), l = lse.view(), gq = dq.view(), gk = dk.view(), gv = dv.view();
+  TensorView gs = dsinks.view();
+  for (TensorView* t : {&o, &gq, &gk, &gv}) t->stride[0] = t->stride[2] = 0;
+  l.stride[0] = l.stride[1] = 0;
+  gs.stride[0] = 0;
+  EXPECT_NO_THROW(AttentionForward(in, opt, o, l));
+  EXPECT_NO_THROW(AttentionBackward(in, opt, o, l, o, gq, gk, gv, gs));
 }
 
 // Outputs may be f32 when the inputs are bf16 (and vice versa is refused).

@@ -33,6 +33,24 @@ void CheckBasic(const TensorView& t, const char* name, int ndim, const std::stri
   }
 }
 
+// Outputs are written element by element in parallel, so two indices must
+// never share an element: refuse a stride of 0 on a dim of size > 1 and two
+// such dims with the same stride (each certainly aliases). Other
+// self-overlapping stride patterns are not detected.
+void CheckOutputNoOverlap(const TensorView& t, const char* name) {
+  for (int i = 0; i < t.ndim; ++i) {
+    if (t.shape[i] <= 1) continue;
+    Check(t.stride[i] != 0, name,
+          ": expected an output view whose elements do not overlap, got stride 0 in dim ", i,
+          " of size ", t.shape[i], " (", t.Describe(), ")");
+    for (int j = 0; j < i; ++j) {
+      Check(t.shape[j] <= 1 || t.stride[j] != t.stride[i], name,
+            ": expected an output view whose elements do not overlap, got the same stride ",
+            t.stride[i], " in dims ", j, " and ", i, " (", t.Describe(), ")");
+    }
+  }
+}
+
 void CheckShape(const TensorView& t, const char* name, std::initializer_list<int64_t> want,
                 const std::string& expected) {
   int i = 0;
@@ -204,11 +222,13 @@ void ValidateForwardOutputs(const AttentionDims& d, DType q_dtype, const TensorV
   const std::string eo = Shape4("B", d.b, "Sq", d.sq, "H", d.h, "Dv", d.dv);
   CheckBasic(out, "out", 4, eo);
   CheckShape(out, "out", {d.b, d.sq, d.h, d.dv}, eo);
+  CheckOutputNoOverlap(out, "out");
   CheckOutDType(out, "out", q_dtype);
   const std::string el = "[B=" + std::to_string(d.b) + ", H=" + std::to_string(d.h) +
                          ", Sq=" + std::to_string(d.sq) + "] f32";
   CheckBasic(lse, "lse", 3, el);
   CheckShape(lse, "lse", {d.b, d.h, d.sq}, el);
+  CheckOutputNoOverlap(lse, "lse");
   Check(lse.dtype == DType::kF32, "lse: expected ", el, ", got ", lse.Describe());
 }
 
@@ -225,14 +245,17 @@ void ValidateBackwardArgs(const AttentionDims& d, const AttentionInputs& in, con
   const std::string eq = Shape4("B", d.b, "Sq", d.sq, "H", d.h, "D", d.d) + " (shape of q)";
   CheckBasic(dq, "dq", 4, eq);
   CheckShape(dq, "dq", {d.b, d.sq, d.h, d.d}, eq);
+  CheckOutputNoOverlap(dq, "dq");
   CheckOutDType(dq, "dq", qd);
   const std::string ek = Shape4("B", d.b, "Skv", d.skv, "Hkv", d.hkv, "D", d.d) + " (shape of k)";
   CheckBasic(dk, "dk", 4, ek);
   CheckShape(dk, "dk", {d.b, d.skv, d.hkv, d.d}, ek);
+  CheckOutputNoOverlap(dk, "dk");
   CheckOutDType(dk, "dk", qd);
   const std::string ev = Shape4("B", d.b, "Skv", d.skv, "Hkv", d.hkv, "Dv", d.dv) + " (shape of v)";
   CheckBasic(dv, "dv", 4, ev);
   CheckShape(dv, "dv", {d.b, d.skv, d.hkv, d.dv}, ev);
+  CheckOutputNoOverlap(dv, "dv");
   CheckOutDType(dv, "dv", qd);
 
   const bool has_sinks = in.sinks.defined();
@@ -241,6 +264,7 @@ void ValidateBackwardArgs(const AttentionDims& d, const AttentionInputs& in, con
     CheckBasic(dsinks, "dsinks", 1, e);
     Check(dsinks.shape[0] == d.h && dsinks.dtype == DType::kF32, "dsinks: expected ", e, ", got ",
           dsinks.Describe());
+    CheckOutputNoOverlap(dsinks, "dsinks");
   } else {
     Check(!dsinks.defined(), "dsinks: expected none (no sinks were given), got ",
           dsinks.Describe());
