@@ -224,6 +224,8 @@ std::vector<ErrorCase> Cases() {
       {"block_sizes.kv:", "8"});
   add("num_threads_negative", W::kInputs, [](Call& x) { x.opt.num_threads = -2; },
       {"num_threads:", "-2"});
+  add("num_threads_huge", W::kInputs, [](Call& x) { x.opt.num_threads = 100000; },
+      {"num_threads: expected 0 (all hardware threads) to 1024, got 100000"});
   // forward outputs
   add("out_shape", W::kForwardOutputs,
       [](Call& x) {
@@ -336,6 +338,13 @@ TEST(ErrorTest, ValidCallPasses) {
   EXPECT_NO_THROW(AttentionForward(call.in, call.opt, call.out, call.lse));
   EXPECT_NO_THROW(AttentionBackward(call.in, call.opt, call.out, call.lse, call.dout, call.dq,
                                     call.dk, call.dv, call.dsinks));
+}
+
+// The largest thread count allowed passes validation.
+TEST(ErrorTest, NumThreadsAtTheLimitPasses) {
+  Call call;
+  call.opt.num_threads = 1024;
+  EXPECT_NO_THROW(ValidateAttentionInputs(call.in, call.opt));
 }
 
 // A stride of 0 on a dim of size 1 aliases nothing: such outputs are fine.

@@ -17,6 +17,9 @@ namespace kernels {
 namespace {
 
 constexpr int64_t kMaxHeadDim = 256;
+// Each thread of a call is a real std::thread with its own scratch; far more
+// than any machine's cores is a mistake (e.g. a byte count), not a request.
+constexpr int kMaxThreads = 1024;
 
 bool IsFloatLike(DType d) { return d == DType::kF32 || d == DType::kBF16 || d == DType::kF16; }
 
@@ -202,7 +205,8 @@ AttentionDims ValidateInputsAndOptions(const AttentionInputs& in, const Attentio
   }
   CheckBlockSize(opt.block_sizes.q, "block_sizes.q");
   CheckBlockSize(opt.block_sizes.kv, "block_sizes.kv");
-  Check(opt.num_threads >= 0, "num_threads: expected >= 0 (0: all hardware threads), got ",
+  Check(opt.num_threads >= 0 && opt.num_threads <= kMaxThreads,
+        "num_threads: expected 0 (all hardware threads) to ", kMaxThreads, ", got ",
         opt.num_threads);
 
   const KernelPath path = ResolveKernelPath(opt.kernel_path);
