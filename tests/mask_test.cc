@@ -214,6 +214,9 @@ TEST(MaskTest, RejectsBadArguments) {
   ExpectErrorMentions([] { Mask::Dense(std::vector<uint8_t>(12), 2, 3, 4); }, "24");
   ExpectErrorMentions([] { Mask::Dense({}, -1, 0, 0); }, "heads");
   ExpectErrorMentions([] { Mask::Dense({}, 0, -1, 0); }, "sq");
+  ExpectErrorMentions([] { Mask::Dense({}, 0, 0, 4); }, "sq and skv must be > 0, got sq=0 skv=4");
+  ExpectErrorMentions([] { Mask::Dense({}, 0, 3, 0); }, "sq and skv must be > 0, got sq=3 skv=0");
+  ExpectErrorMentions([] { Mask::Dense({}, 2, 0, 0); }, "sq and skv must be > 0, got sq=0 skv=0");
   ExpectErrorMentions([] { Mask::PerHead({}); }, "PerHead");
   const Mask two = Mask::PerHead({Mask::Causal(), Mask::Full()});
   const Mask three = Mask::PerHead({Mask::Causal(), Mask::Full(), Mask::Full()});

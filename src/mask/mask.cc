@@ -177,7 +177,9 @@ Mask Mask::ChunkedCausal(int64_t chunk) {
 
 Mask Mask::Dense(std::vector<uint8_t> values, int64_t heads, int64_t sq, int64_t skv) {
   Check(heads >= 0, "Mask::Dense: heads must be >= 0 (0: shared by all heads), got ", heads);
-  Check(sq >= 0 && skv >= 0, "Mask::Dense: sq and skv must be >= 0, got sq=", sq, " skv=", skv);
+  // A zero extent covers no position: any attention call using it would fail
+  // later with a less direct message, so refuse it here.
+  Check(sq > 0 && skv > 0, "Mask::Dense: sq and skv must be > 0, got sq=", sq, " skv=", skv);
   const Int128 expected = Int128{std::max<int64_t>(heads, 1)} * sq * skv;
   Check(expected <= INT64_MAX, "Mask::Dense: heads * sq * skv overflows int64 (heads=", heads,
         " sq=", sq, " skv=", skv, ")");
