@@ -17,6 +17,7 @@
 #include "ringsplash/error.h"
 #include "src/kernels/cpu_features.h"
 #include "src/kernels/flash.h"
+#include "src/kernels/flash_common.h"
 #include "src/kernels/micro.h"
 #include "src/kernels/thread_pool.h"
 #include "tests/support/reference.h"
@@ -308,57 +309,240 @@ TEST(MicroKernelTest, GemmBf16MatchesDoubleLoopsOnRoundedInputs) {
   }
 }
 
-TEST(MicroKernelTest, SoftmaxForwardMatchesDoubleMath) {
+// A random transposed tile (micro.h TileArgs): keys x queries, D = 40, with
+// a mask that allows about 2/3 of the pairs and masks query 3 entirely.
+struct RandomTile {
+  static constexpr int64_t kKeys = 19, kQueries = 37, kD = 40, kDv = 24;
+  static constexpr int64_t kMp = 48, kLd = 64;  // mp = RoundUp(37, 16); leading dims >= mp
+  std::vector<float> k, qt, v, dot, pt, ds, deriv, scratch;
+  std::vector<uint8_t> mask;
+  float scale = 0.125f;
+
+  explicit RandomTile(Rng& rng, float spread)
+      : k(RandomFloats(rng, kKeys * kD, -spread, spread)),
+        qt(static_cast<size_t>(kD * kLd), 0.0f),
+        v(RandomFloats(rng, kKeys * kDv)),
+        dot(static_cast<size_t>(kDv * kLd), 0.0f),
+        pt(static_cast<size_t>(kKeys * kLd), -9.0f),
+        ds(static_cast<size_t>(kKeys * kLd), -9.0f),
+        deriv(static_cast<size_t>(kKeys * kLd), 0.0f),
+        scratch(static_cast<size_t>(2 * kMp) + 64),
+        mask(static_cast<size_t>(kKeys * kLd), 0) {
+    std::uniform_real_distribution<float> u(-spread, spread), w(-1, 1);
+    for (int64_t p = 0; p < kD; ++p) {
+      for (int64_t i = 0; i < kQueries; ++i) qt[p * kLd + i] = u(rng);
+    }
+    for (int64_t c = 0; c < kDv; ++c) {
+      for (int64_t i = 0; i < kQueries; ++i) dot[c * kLd + i] = w(rng);
+    }
+    for (int64_t j = 0; j < kKeys; ++j) {
+      for (int64_t i = 0; i < kQueries; ++i) mask[j * kLd + i] = i != 3 && (rng() % 3) != 0;
+    }
+  }
+  // 64-byte aligned scratch, as the kernels require.
+  float* AlignedScratch() {
+    auto addr = reinterpret_cast<uintptr_t>(scratch.data());
+    return scratch.data() + ((64 - addr % 64) % 64) / sizeof(float);
+  }
+  kernels::micro::TileArgs Args(bool masked, float softcap) {
+    kernels::micro::TileArgs t;
+    t.keys = kKeys;
+    t.queries = kQueries;
+    t.d = kD;
+    t.k = k.data();
+    t.ldk = kD;
+    t.qt = qt.data();
+    t.ldq = kLd;
+    t.pt = pt.data();
+    t.ldp = kLd;
+    t.mask = masked ? mask.data() : nullptr;
+    t.ldm = kLd;
+    t.scale = scale;
+    t.softcap = softcap;
+    t.scratch = AlignedScratch();
+    return t;
+  }
+  // The logit of (key j, query i) in double, -inf where masked.
+  double Logit(int64_t j, int64_t i, bool masked, float softcap) const {
+    double s = 0;
+    for (int64_t p = 0; p < kD; ++p) s += double{k[j * kD + p]} * qt[p * kLd + i];
+    double x = double{scale} * s;
+    if (softcap > 0) x = softcap * std::tanh(x / softcap);
+    return masked && mask[j * kLd + i] == 0 ? -kInf : x;
+  }
+  // Rounding bound of the kernels' f32 logit: D products summed in f32 err by
+  // ~sqrt(D) 2^-24 sum |products| (random signs), scaled; 4x margin. (A soft
+  // cap only shrinks errors: |tanh'| <= 1.)
+  double LogitErr(int64_t j, int64_t i) const {
+    double s = 0;
+    for (int64_t p = 0; p < kD; ++p) s += std::abs(double{k[j * kD + p]} * qt[p * kLd + i]);
+    return 4.0 * std::sqrt(double{kD}) * 0x1p-24 * scale * s;
+  }
+};
+
+// The contract shared by SoftmaxColumnsFn (exact) and ForwardTileFn (exact or
+// lazy): with M = the new row_max (0 if -inf), P^T = exp(x - M), alpha =
+// exp(old max - M), row_sum = alpha old_sum + sum_j P^T, and M >= the old max
+// (equal when lazy). Returns whether the step was lazy (alpha == 1 with an
+// unchanged finite max).
+bool CheckForwardStep(const RandomTile& tile, bool masked, float softcap,
+                      const std::vector<float>& max0, const std::vector<float>& sum0,
+                      const std::vector<float>& row_max, const std::vector<float>& row_sum,
+                      const std::vector<float>& alpha, const std::string& what) {
+  bool lazy = true;
+  for (int64_t i = 0; i < RandomTile::kQueries; ++i) {
+    const double shift = row_max[i] == -kInf ? 0.0 : row_max[i];
+    double mx = -kInf, sum = 0, mx_err = 0;
+    for (int64_t j = 0; j < RandomTile::kKeys; ++j) {
+      const double x = tile.Logit(j, i, masked, softcap);
+      if (x != -kInf) mx_err = std::max(mx_err, tile.LogitErr(j, i));
+      mx = std::max(mx, x);
+      const double p = std::exp(x - shift);
+      sum += p;
+      // exp's argument is the f32 logit (LogitErr) minus the shift, each
+      // also rounded relative to its magnitude (~2^-24 |x|, |shift|), and the
+      // polynomial adds ~2e-7 relative: 4x margin on the last two.
+      const double arg_err = tile.LogitErr(j, i) +
+                             4.0 * 0x1p-24 * ((x != -kInf ? std::abs(x) : 0.0) + std::abs(shift));
+      const double tol = 1e-7 + p * (arg_err + 8e-7);
+      const float got = tile.pt[j * RandomTile::kLd + i];
+      // Whatever the step, nothing may come near overflow.
+      if (!(std::abs(got - p) <= tol) || !(got <= kernels::micro::kLazySumLimit)) {
+        ADD_FAILURE() << what << " j=" << j << " i=" << i << ": P^T " << got << " expected " << p
+                      << " +- " << tol;
+        return false;
+      }
+    }
+    if (max0[i] == -kInf || mx > max0[i]) {
+      // The max must not drop, and a query seen for the first time gets an
+      // exact step (its new max is the tile's max).
+      EXPECT_GE(row_max[i], max0[i]) << what;
+    }
+    if (max0[i] == -kInf) {
+      if (mx == -kInf) {
+        EXPECT_EQ(row_max[i], -std::numeric_limits<float>::infinity()) << what;
+      } else {
+        EXPECT_NEAR(row_max[i], mx, mx_err + 4.0 * 0x1p-24 * std::abs(mx)) << what;
+      }
+    }
+    const double a = std::exp(double{max0[i]} - shift);
+    // alpha and the sum inherit the shift's error (as large as the max's).
+    const double rel = mx_err + 4.0 * 0x1p-24 * (2.0 * std::abs(shift) + 2.0) + 1e-6;
+    EXPECT_NEAR(alpha[i], a, rel * a + 1e-30) << what << " i=" << i;
+    EXPECT_NEAR(row_sum[i], a * sum0[i] + sum, rel * (a * sum0[i] + sum)) << what << " i=" << i;
+    lazy = lazy && alpha[i] == 1.0f && row_max[i] == max0[i] && max0[i] != -kInf;
+  }
+  return lazy;
+}
+
+TEST(MicroKernelTest, SoftmaxColumnsAndForwardTileMatchDoubleMath) {
   Rng rng(3);
-  const int64_t m = 9, n = 37, lds = 48;
   for (KernelPath path : SupportedKernelPaths()) {
     const kernels::micro::MicroKernels& mk = kernels::micro::MicroKernelsFor(path);
     for (float softcap : {0.0f, 5.0f, 30.0f}) {
-      std::vector<float> s = RandomFloats(rng, static_cast<size_t>(m * lds), -400, 400);
-      std::vector<uint8_t> mask(static_cast<size_t>(m * lds));
-      for (size_t i = 0; i < mask.size(); ++i) mask[i] = (rng() % 3) != 0;
-      for (int64_t j = 0; j < n; ++j) mask[3 * lds + j] = 0;  // row 3: fully masked
-      std::vector<float> row_max(m), row_sum(m), alpha(m);
-      for (int64_t i = 0; i < m; ++i) {
-        row_max[i] = i % 2 == 0 ? -std::numeric_limits<float>::infinity() : 2.0f;
-        row_sum[i] = i % 2 == 0 ? 0.0f : 1.5f;
+      for (bool masked : {false, true}) {
+        // spread 8: logits up to ~scale * D * 64 = 320, beyond exp's range.
+        for (float spread : {1.0f, 8.0f}) {
+          const std::string what = std::string(KernelPathName(path)) + " cap " +
+                                   std::to_string(softcap) + (masked ? " masked" : "") +
+                                   " spread " + std::to_string(spread);
+          RandomTile tile(rng, spread);
+          const int64_t nq = RandomTile::kQueries;
+          // Odd queries start from a finite state, even ones from nothing.
+          std::vector<float> max0(nq), sum0(nq);
+          for (int64_t i = 0; i < nq; ++i) {
+            max0[i] = i % 2 == 0 ? -std::numeric_limits<float>::infinity() : 2.0f;
+            sum0[i] = i % 2 == 0 ? 0.0f : 1.5f;
+          }
+          // SoftmaxColumns: in place on the raw products, always exact.
+          std::vector<float> row_max = max0, row_sum = sum0, alpha(nq);
+          kernels::micro::TileArgs t = tile.Args(masked, softcap);
+          for (int64_t j = 0; j < RandomTile::kKeys; ++j) {
+            for (int64_t i = 0; i < RandomTile::kLd; ++i) {
+              double s = 0;
+              for (int64_t p = 0; p < RandomTile::kD; ++p) {
+                s += double{tile.k[j * RandomTile::kD + p]} * tile.qt[p * RandomTile::kLd + i];
+              }
+              tile.pt[j * RandomTile::kLd + i] = static_cast<float>(s);
+            }
+          }
+          mk.softmax_columns(t, row_max.data(), row_sum.data(), alpha.data());
+          EXPECT_FALSE(CheckForwardStep(tile, masked, softcap, max0, sum0, row_max, row_sum, alpha,
+                                        "columns " + what));
+          // ForwardTile from the same state: exact for the even queries.
+          row_max = max0;
+          row_sum = sum0;
+          mk.forward_tile(t, row_max.data(), row_sum.data(), alpha.data());
+          CheckForwardStep(tile, masked, softcap, max0, sum0, row_max, row_sum, alpha,
+                           "tile " + what);
+          // Again from the state it reached: every max is finite now (query 3
+          // is masked throughout when masked), and with logits within ~14 of
+          // it the fast paths take the lazy step.
+          const std::vector<float> max1 = row_max, sum1 = row_sum;
+          bool any_inf = false;
+          for (float x : max1) any_inf = any_inf || x == -std::numeric_limits<float>::infinity();
+          mk.forward_tile(t, row_max.data(), row_sum.data(), alpha.data());
+          const bool lazy = CheckForwardStep(tile, masked, softcap, max1, sum1, row_max, row_sum,
+                                             alpha, "tile again " + what);
+          if (path != KernelPath::kPortable && !any_inf) {
+            EXPECT_TRUE(lazy) << what;
+          }
+          // From a reference far below the logits the lazy step would
+          // overflow: the kernel must fall back to the exact step.
+          if (spread > 1.0f && softcap == 0.0f) {
+            std::vector<float> low(nq, -200.0f), sum_low(nq, 1.0f);
+            row_max = low;
+            row_sum = sum_low;
+            mk.forward_tile(t, row_max.data(), row_sum.data(), alpha.data());
+            EXPECT_FALSE(CheckForwardStep(tile, masked, softcap, low, sum_low, row_max, row_sum,
+                                          alpha, "tile low " + what));
+          }
+        }
       }
-      const std::vector<float> s0 = s, max0 = row_max, sum0 = row_sum;
-      const float scale = 0.125f;
-      mk.softmax_forward(m, n, s.data(), lds, mask.data(), lds, scale, softcap, row_max.data(),
-                         row_sum.data(), alpha.data());
-      for (int64_t i = 0; i < m; ++i) {
-        double mx = max0[i];
-        std::vector<double> x(n);
-        for (int64_t j = 0; j < n; ++j) {
-          double v = double{scale} * s0[i * lds + j];
-          if (softcap > 0) v = softcap * std::tanh(v / softcap);
-          x[j] = mask[i * lds + j] ? v : -kInf;
-          mx = std::max(mx, x[j]);
-        }
-        const double shift = mx == -kInf ? 0.0 : mx;
-        double sum = 0;
-        for (int64_t j = 0; j < lds; ++j) {
-          const double p = j < n ? std::exp(x[j] - shift) : 0.0;
-          sum += p;
-          // exp's argument is a difference of f32 logits of magnitude up to
-          // |x| + |shift|, each carrying ~2^-24 relative rounding (and the
-          // vectorised tanh/exp ~1e-7): p's relative error is bounded by that
-          // absolute error, with a 4x margin.
-          const double arg_err = (j < n && x[j] != -kInf ? std::abs(x[j]) : 0.0) + std::abs(shift);
-          const double tol = 1e-7 + p * 4.0 * (arg_err * 0x1p-24 + 1e-7);
-          ASSERT_NEAR(s[i * lds + j], p, tol) << KernelPathName(path) << " cap " << softcap;
-        }
-        // Same argument for alpha and the row sum: exp's arguments are off by
-        // up to ~2^-24 (|max| + |shift|) each.
-        const double a = std::exp(double{max0[i]} - shift);
-        const double rel = 4.0 * 0x1p-24 * (2.0 * std::abs(shift) + 2.0) + 1e-6;
-        EXPECT_NEAR(alpha[i], a, rel * a);
-        EXPECT_NEAR(row_sum[i], a * sum0[i] + sum, rel * (a * sum0[i] + sum));
-        if (mx == -kInf) {
-          EXPECT_EQ(row_max[i], -std::numeric_limits<float>::infinity());
-        } else {
-          EXPECT_NEAR(row_max[i], mx, 4.0 * 0x1p-24 * std::abs(mx) + 1e-7);
+    }
+  }
+}
+
+TEST(MicroKernelTest, BackwardTileMatchesDoubleMath) {
+  Rng rng(4);
+  for (KernelPath path : SupportedKernelPaths()) {
+    const kernels::micro::MicroKernels& mk = kernels::micro::MicroKernelsFor(path);
+    for (float softcap : {0.0f, 5.0f}) {
+      for (bool masked : {false, true}) {
+        RandomTile tile(rng, 1.0f);
+        const int64_t nq = RandomTile::kQueries;
+        std::vector<float> lse(nq), delta = RandomFloats(rng, nq);
+        for (int64_t i = 0; i < nq; ++i) lse[i] = i == 5 ? -kInf : 1.0f + 0.1f * i;
+        kernels::micro::BackwardTileArgs b;
+        b.t = tile.Args(masked, softcap);
+        b.dv = RandomTile::kDv;
+        b.v = tile.v.data();
+        b.ldv = RandomTile::kDv;
+        b.dot = tile.dot.data();
+        b.lse = lse.data();
+        b.delta = delta.data();
+        b.ds = tile.ds.data();
+        b.deriv = tile.deriv.data();
+        mk.backward_tile(b);
+        for (int64_t j = 0; j < RandomTile::kKeys; ++j) {
+          for (int64_t i = 0; i < nq; ++i) {
+            const double x = tile.Logit(j, i, masked, softcap);
+            const double p = lse[i] == -kInf ? 0.0 : std::exp(x - lse[i]);
+            double dp = 0;
+            for (int64_t c = 0; c < RandomTile::kDv; ++c) {
+              dp += double{tile.v[j * RandomTile::kDv + c]} * tile.dot[c * RandomTile::kLd + i];
+            }
+            double ds = tile.scale * p * (dp - delta[i]);
+            if (softcap > 0) {
+              const double th = std::tanh(tile.Logit(j, i, false, 0.0f) / softcap);
+              ds *= 1.0 - th * th;
+            }
+            // |x|, |lse| <= ~5: exp's argument is good to ~1e-6, p <= ~1,
+            // dp sums 24 products of |.| <= 1 (~1e-6 absolute).
+            const size_t o = static_cast<size_t>(j * RandomTile::kLd + i);
+            ASSERT_NEAR(tile.pt[o], p, 4e-6 * (p + 1e-3)) << KernelPathName(path);
+            ASSERT_NEAR(tile.ds[o], ds, 4e-6) << KernelPathName(path);
+          }
         }
       }
     }
@@ -642,9 +826,13 @@ TEST(FlashTest, CausalSkipsEmptyTilesAndCountsFlops) {
     }
     const double tile = 32.0 * 32.0;
     EXPECT_EQ(r.fwd_stats.flops, heads * 36 * 2 * tile * (spec.d + spec.dv));
-    // dK/dV pass: S, dP, dV, dK; dQ pass: S, dP, dQ.
-    EXPECT_EQ(r.bwd_stats.flops,
-              heads * 36 * tile * (4.0 * (spec.d + spec.dv) + 2.0 * (2 * spec.d + spec.dv)));
+    const kernels::Geometry g = kernels::Geometry::Of(prob.Params(s));
+    if (kernels::BackwardInOnePass(g, s.threads)) {  // S, dP, dV, dK, dQ once
+      EXPECT_EQ(r.bwd_stats.flops, heads * 36 * 2 * tile * (3.0 * spec.d + 2.0 * spec.dv));
+    } else {  // dK/dV pass: S, dP, dV, dK; dQ pass: S, dP, dQ.
+      EXPECT_EQ(r.bwd_stats.flops,
+                heads * 36 * tile * (4.0 * (spec.d + spec.dv) + 2.0 * (2 * spec.d + spec.dv)));
+    }
   }
 }
 

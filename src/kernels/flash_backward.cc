@@ -1,17 +1,26 @@
 // FlashBackward (flash.h): gradients of block-sparse attention, SPEC §2.
 //
-// Two passes, each task owning the output rows it writes, so there are no
-// float atomics and results are bitwise independent of the thread count:
-//   pass 1, tasks (batch, kv head, kv block), COLUMN block map: for every
-//     query head of the GQA group and every non-empty q block, recompute
-//     S, P = exp(S - lse), dP = dO V^T, dS = scale * P * (dP - delta) [* cap'],
-//     then dV += P^T dO and dK += dS^T Q in a task-local tile, added to
-//     dk_acc / dv_acc at the end;
-//   pass 2, tasks (batch, query head, q block), ROW block map: recompute
-//     P and dS the same way (same micro-kernels, same inputs: bit-identical)
-//     and dQ += dS K.
-// All operands are packed once per call as f32 (bf16/f16 inputs are widened;
-// the backward has no bf16 product path).
+// Every tile (q block of query head h, kv block kvb) is processed in the
+// transposed layout of micro.h: one fused micro-kernel gives
+//   P^T  = exp(x - lse)                      from K Q^T
+//   dS^T = scale P^T (dP^T - delta) [* cap'] from dP^T = V dO^T
+// and three products consume them:
+//   dV_kvb += P^T dO,  dK_kvb += dS^T Q,  dQ_qb += dS K  (dS = dS^T read column-major).
+// That is the five products the FLOP count of the CLI assumes (2.5 x forward).
+//
+// Determinism without float atomics: every accumulator is owned by one task
+// and summed in a fixed order —
+//   dK/dV tile of kvb: zeroed, then += over (query head of the group, q block)
+//     ascending, then added to dk_acc / dv_acc;
+//   dQ tile of (h, qb): zeroed, then += over kvb ascending, then added to dq_acc.
+// Two schedules realise exactly these operation sequences:
+//   one pass: tasks (batch, kv head) walk kvb, then heads, then q blocks, with
+//     the group's dQ tiles in a per-task scratch; each tile computed once;
+//   two passes (when there are too few (batch, kv head) tasks to keep the
+//     threads busy): tasks (batch, kv head, kvb) for dK/dV, then tasks
+//     (batch, head, q block) for dQ, recomputing P^T and dS^T with the same
+//     kernel on the same inputs (bit-identical).
+// So results are bitwise the same for every thread count.
 #include <algorithm>
 #include <cstring>
 #include <vector>
@@ -27,84 +36,184 @@ namespace {
 using mask::BlockKind;
 using micro::RoundUp;
 
-// Every operand of the backward, packed as f32 once per call.
-struct Packed {
-  // Per (b, h, q block): Q [bq][ld_d] and dO [bq][ld_dv], zero padded.
-  int64_t q_elems = 0, do_elems = 0;
-  AlignedBuffer<float> q, dout;
-  // Per (b, kv head, kv block): K^T [d][ld_kv], V^T [dv][ld_kv], K [bkv][ld_d].
-  int64_t kt_elems = 0, vt_elems = 0, k_elems = 0;
-  AlignedBuffer<float> kt, vt, k;
-};
+// The q-side operands of every (b, h, q block), packed once per call as f32:
+// Q^T [d][ld_q] and dO^T [dv][ld_q] (B operands of the scores), Q [bq][ld_d]
+// and dO [bq][ld_dv] (B operands of dK and dV).
+struct QSide {
+  int64_t qt_elems = 0, dot_elems = 0, q_elems = 0, do_elems = 0;
+  AlignedBuffer<float> qt, dot, q, dout;
 
-Packed PackAll(const FlashParams& p, const TensorView& dout, const Geometry& g, ThreadPool& pool) {
-  Packed pk;
-  const int64_t q_tiles = g.b * g.h * g.nqb, kv_tiles = g.b * g.hkv * g.nkvb;
-  pk.q_elems = g.bq * g.ld_d;
-  pk.do_elems = g.bq * g.ld_dv;
-  pk.kt_elems = g.d * g.ld_kv;
-  pk.vt_elems = g.dv * g.ld_kv;
-  pk.k_elems = g.bkv * g.ld_d;
-  pk.q.Resize(static_cast<size_t>(q_tiles * pk.q_elems));
-  pk.dout.Resize(static_cast<size_t>(q_tiles * pk.do_elems));
-  pk.kt.Resize(static_cast<size_t>(kv_tiles * pk.kt_elems));
-  pk.vt.Resize(static_cast<size_t>(kv_tiles * pk.vt_elems));
-  pk.k.Resize(static_cast<size_t>(kv_tiles * pk.k_elems));
-  pool.ParallelFor(q_tiles + kv_tiles, [&](int64_t t, int) {
-    if (t < q_tiles) {
+  QSide(const FlashParams& p, const TensorView& dout_view, const Geometry& g, ThreadPool& pool) {
+    const int64_t tiles = g.b * g.h * g.nqb;
+    qt_elems = g.d * g.ld_q;
+    dot_elems = g.dv * g.ld_q;
+    q_elems = g.bq * g.ld_d;
+    do_elems = g.bq * g.ld_dv;
+    qt.Resize(static_cast<size_t>(tiles * qt_elems));
+    dot.Resize(static_cast<size_t>(tiles * dot_elems));
+    q.Resize(static_cast<size_t>(tiles * q_elems));
+    dout.Resize(static_cast<size_t>(tiles * do_elems));
+    pool.ParallelFor(tiles, [&](int64_t t, int) {
       const int64_t qb = t % g.nqb, h = (t / g.nqb) % g.h, b = t / (g.nqb * g.h);
       const int64_t m = g.QRows(qb);
-      PackRowsF32(Slab{&p.q, b, h, qb * g.bq, m, g.d}, pk.q.data() + t * pk.q_elems, g.ld_d, m);
-      PackRowsF32(Slab{&dout, b, h, qb * g.bq, m, g.dv}, pk.dout.data() + t * pk.do_elems, g.ld_dv,
-                  m);
-    } else {
-      t -= q_tiles;
-      const int64_t kvb = t % g.nkvb, kh = (t / g.nkvb) % g.hkv, b = t / (g.nkvb * g.hkv);
-      const int64_t n = g.KvRows(kvb);
-      const Slab ks{&p.k, b, kh, kvb * g.bkv, n, g.d};
-      PackTransposedF32(ks, pk.kt.data() + t * pk.kt_elems, g.ld_kv);
-      PackTransposedF32(Slab{&p.v, b, kh, kvb * g.bkv, n, g.dv}, pk.vt.data() + t * pk.vt_elems,
-                        g.ld_kv);
-      PackRowsF32(ks, pk.k.data() + t * pk.k_elems, g.ld_d, n);
-    }
-  });
-  return pk;
-}
-
-struct Scratch {
-  AlignedBuffer<float> s, dp, deriv, acc_a, acc_b;
-  AlignedBuffer<uint8_t> mask;
-  explicit Scratch(const Geometry& g) {
-    const size_t tile = static_cast<size_t>(g.bq * g.ld_kv);
-    s.Resize(tile);
-    dp.Resize(tile);
-    deriv.Resize(tile);
-    mask.Resize(tile);
-    // Pass 1: dK [bkv][ld_d] and dV [bkv][ld_dv]; pass 2: dQ [bq][ld_d].
-    acc_a.Resize(static_cast<size_t>(std::max(g.bkv, g.bq) * g.ld_d));
-    acc_b.Resize(static_cast<size_t>(g.bkv * g.ld_dv));
+      const Slab qs{&p.q, b, h, qb * g.bq, m, g.d};
+      const Slab ds{&dout_view, b, h, qb * g.bq, m, g.dv};
+      PackTransposedF32(qs, qt.data() + t * qt_elems, g.ld_q);
+      PackTransposedF32(ds, dot.data() + t * dot_elems, g.ld_q);
+      PackRowsF32(qs, q.data() + t * q_elems, g.ld_d, m);
+      PackRowsF32(ds, dout.data() + t * do_elems, g.ld_dv, m);
+    });
   }
 };
 
-// The shared core of both passes: P (in sc.s) and dS (in sc.dp) of one tile.
-struct TileOperands {
-  const float *q, *dout, *kt, *vt, *lse, *delta;
-  const uint8_t* mask;
+// Per-thread scratch of one tile.
+struct Workspace {
+  AlignedBuffer<float> pt, ds, deriv, tile, dk, dv, dq;
+  AlignedBuffer<uint8_t> mask, mask_t;
+
+  static Workspace& ForThisThread(const Geometry& g, bool capped) {
+    thread_local Workspace ws;
+    Grow(ws.pt, g.bkv * g.ld_q);
+    Grow(ws.ds, g.bkv * g.ld_q);
+    if (capped) Grow(ws.deriv, g.bkv * g.ld_q);
+    Grow(ws.tile, 2 * g.ld_q);
+    Grow(ws.dk, g.bkv * g.ld_d);
+    Grow(ws.dv, g.bkv * g.ld_dv);
+    Grow(ws.dq, g.bq * g.ld_d);
+    Grow(ws.mask, g.bq * g.ld_kv);
+    Grow(ws.mask_t, g.bkv * g.ld_q);
+    return ws;
+  }
 };
 
-void ProbsAndDs(const micro::MicroKernels& mk, const FlashParams& p, const Geometry& g, int64_t m,
-                int64_t n, const TileOperands& t, Scratch& sc) {
-  const int64_t n16 = RoundUp(n, micro::kVec);
-  mk.gemm_f32(m, n16, g.d, t.q, g.ld_d, 1, t.kt, g.ld_kv, sc.s.data(), g.ld_kv, nullptr, false);
-  mk.probs_backward(m, n, sc.s.data(), g.ld_kv, t.mask, g.ld_kv, p.scale, p.softcap, t.lse,
-                    sc.deriv.data());
-  mk.gemm_f32(m, n16, g.dv, t.dout, g.ld_dv, 1, t.vt, g.ld_kv, sc.dp.data(), g.ld_kv, nullptr,
-              false);
-  mk.ds_backward(m, n, sc.s.data(), sc.dp.data(), g.ld_kv, t.delta,
-                 p.softcap > 0.0f ? sc.deriv.data() : nullptr, p.scale);
+// Everything a tile needs besides its indices.
+struct Context {
+  const FlashParams& p;
+  const Geometry& g;
+  const micro::MicroKernels& mk;
+  const TilePlan& plan;
+  const QSide& qs;
+  const KvRows& kv;
+  const float* lse;
+  const float* delta;
+};
+
+// P^T and dS^T of tile (b, h, qb, kvb) into ws.pt / ws.ds; returns its kind
+// (kEmpty: nothing computed).
+BlockKind TileProbs(const Context& c, BlockKind map_kind, int64_t b, int64_t h, int64_t qb,
+                    int64_t kvb, Workspace& ws) {
+  const Geometry& g = c.g;
+  const BlockKind kind = c.plan.Refine(map_kind, b, qb, kvb);
+  if (kind == BlockKind::kEmpty) return kind;
+  const int64_t kh = h / g.group, qt = (b * g.h + h) * g.nqb + qb;
+  const int64_t row = (b * g.h + h) * g.sq + qb * g.bq;
+  micro::BackwardTileArgs a;
+  micro::TileArgs& t = a.t;
+  t.keys = g.KvRows(kvb);
+  t.queries = g.QRows(qb);
+  t.d = g.d;
+  t.k = c.kv.Keys(b, kh, kvb);
+  t.ldk = c.kv.ldk();
+  t.qt = c.qs.qt.data() + qt * c.qs.qt_elems;
+  t.ldq = g.ld_q;
+  t.pt = ws.pt.data();
+  t.ldp = g.ld_q;
+  if (kind == BlockKind::kPartial) {
+    c.plan.FillMaskTransposed(map_kind, h, b, qb, kvb, ws.mask.data(), ws.mask_t.data());
+    t.mask = ws.mask_t.data();
+    t.ldm = g.ld_q;
+  }
+  t.scale = c.p.scale;
+  t.softcap = c.p.softcap;
+  t.scratch = ws.tile.data();
+  a.dv = g.dv;
+  a.v = c.kv.Values(b, kh, kvb);
+  a.ldv = c.kv.ldv();
+  a.dot = c.qs.dot.data() + qt * c.qs.dot_elems;
+  a.lse = c.lse + row;
+  a.delta = c.delta + row;
+  a.ds = ws.ds.data();
+  a.deriv = ws.deriv.data();
+  c.mk.backward_tile(a);
+  return kind;
+}
+
+// dV += P^T dO and dK += dS^T Q for the tile in ws (rows = its keys).
+void AccumulateKv(const Context& c, int64_t b, int64_t h, int64_t qb, int64_t kvb, float* dk,
+                  float* dv, const Workspace& ws) {
+  const Geometry& g = c.g;
+  const int64_t m = g.QRows(qb), n = g.KvRows(kvb), qt = (b * g.h + h) * g.nqb + qb;
+  c.mk.gemm_f32(n, g.dvp, m, ws.pt.data(), g.ld_q, 1, c.qs.dout.data() + qt * c.qs.do_elems,
+                g.ld_dv, dv, g.ld_dv, nullptr, true);
+  c.mk.gemm_f32(n, g.dp, m, ws.ds.data(), g.ld_q, 1, c.qs.q.data() + qt * c.qs.q_elems, g.ld_d, dk,
+                g.ld_d, nullptr, true);
+}
+
+// dQ += dS K for the tile in ws (rows = its queries).
+void AccumulateQ(const Context& c, int64_t b, int64_t h, int64_t qb, int64_t kvb, float* dq,
+                 const Workspace& ws) {
+  const Geometry& g = c.g;
+  c.mk.gemm_f32(g.QRows(qb), g.dp, g.KvRows(kvb), ws.ds.data(), 1, g.ld_q,
+                c.kv.Keys(b, h / g.group, kvb), c.kv.ldk(), dq, g.ld_d, nullptr, true);
+}
+
+void CountTile(BlockKind kind, const Geometry& g, int64_t m, int64_t n, WorkerStats& st) {
+  ++st.computed;
+  (kind == BlockKind::kFull ? st.full : st.partial) += 1;
+  // S, dP, dV, dK, dQ.
+  st.flops += 2 * m * n * (3 * g.d + 2 * g.dv);
+}
+
+void AddKvTile(const Geometry& g, int64_t b, int64_t kh, int64_t kvb, const float* dk,
+               const float* dv, float* dk_acc, float* dv_acc) {
+  for (int64_t j = 0; j < g.KvRows(kvb); ++j) {
+    const int64_t row = (b * g.skv + kvb * g.bkv + j) * g.hkv + kh;
+    float* dk_row = dk_acc + row * g.d;
+    float* dv_row = dv_acc + row * g.dv;
+    for (int64_t x = 0; x < g.d; ++x) dk_row[x] += dk[j * g.ld_d + x];
+    for (int64_t x = 0; x < g.dv; ++x) dv_row[x] += dv[j * g.ld_dv + x];
+  }
+}
+
+void AddQTile(const Geometry& g, int64_t b, int64_t h, int64_t qb, const float* dq, float* dq_acc) {
+  for (int64_t i = 0; i < g.QRows(qb); ++i) {
+    float* dq_row = dq_acc + ((b * g.sq + qb * g.bq + i) * g.h + h) * g.d;
+    for (int64_t x = 0; x < g.d; ++x) dq_row[x] += dq[i * g.ld_d + x];
+  }
+}
+
+// dK/dV of (b, kh, kvb) over every head of the group and every q block of the
+// column map, in order; `on_tile(h, qb)` runs after each computed tile (the
+// one-pass schedule adds its dQ there).
+template <class OnTile>
+void KvBlock(const Context& c, const TilePlan& cols, int64_t b, int64_t kh, int64_t kvb,
+             Workspace& ws, WorkerStats& st, float* dk_acc, float* dv_acc, OnTile&& on_tile) {
+  const Geometry& g = c.g;
+  const int64_t n = g.KvRows(kvb);
+  std::memset(ws.dk.data(), 0, static_cast<size_t>(n * g.ld_d) * sizeof(float));
+  std::memset(ws.dv.data(), 0, static_cast<size_t>(n * g.ld_dv) * sizeof(float));
+  int64_t computed = 0;
+  for (int64_t h = kh * g.group; h < (kh + 1) * g.group; ++h) {
+    for (const mask::BlockRun& run : cols.map().Runs(h, kvb)) {
+      for (int64_t qb = run.begin; qb < run.end; ++qb) {
+        const BlockKind kind = TileProbs(c, run.kind, b, h, qb, kvb, ws);
+        if (kind == BlockKind::kEmpty) continue;
+        AccumulateKv(c, b, h, qb, kvb, ws.dk.data(), ws.dv.data(), ws);
+        on_tile(h, qb, kind);
+        ++computed;
+      }
+    }
+  }
+  st.skipped += g.group * g.nqb - computed;
+  AddKvTile(g, b, kh, kvb, ws.dk.data(), ws.dv.data(), dk_acc, dv_acc);
 }
 
 }  // namespace
+
+bool BackwardInOnePass(const Geometry& g, int threads) {
+  const int64_t tasks = g.b * g.hkv;
+  return threads <= 1 || tasks % threads == 0 || tasks >= 4 * int64_t{threads};
+}
 
 void FlashBackward(const FlashParams& p, ThreadPool& pool, const TensorView& dout, const float* lse,
                    const float* delta, float* dq_acc, float* dk_acc, float* dv_acc,
@@ -112,107 +221,77 @@ void FlashBackward(const FlashParams& p, ThreadPool& pool, const TensorView& dou
   const Geometry g = Geometry::Of(p);
   if (g.b == 0 || g.sq == 0 || g.h == 0 || g.skv == 0) return;
   const micro::MicroKernels& mk = micro::MicroKernelsFor(p.path);
-  const Packed pk = PackAll(p, dout, g, pool);
-
-  std::vector<Scratch> scratch;
-  scratch.reserve(static_cast<size_t>(pool.size()));
-  for (int w = 0; w < pool.size(); ++w) scratch.emplace_back(g);
-  // Pass 1 counts FLOPs only; pass 2 counts tiles (as the forward does) and FLOPs.
+  const bool capped = p.softcap > 0.0f;
+  const QSide qs(p, dout, g, pool);
+  const KvRows kv(p, g, KvRows::KeyFormat::kF32Padded, pool);
+  const TilePlan cols(p, g, /*by_column=*/true);
   std::vector<WorkerStats> wstats(static_cast<size_t>(pool.size()));
 
-  auto operands = [&](int64_t b, int64_t h, int64_t qb, int64_t kvb, const uint8_t* mask) {
-    const int64_t qt = (b * g.h + h) * g.nqb + qb;
-    const int64_t kt = (b * g.hkv + h / g.group) * g.nkvb + kvb;
-    const int64_t row = (b * g.h + h) * g.sq + qb * g.bq;
-    return TileOperands{pk.q.data() + qt * pk.q_elems,
-                        pk.dout.data() + qt * pk.do_elems,
-                        pk.kt.data() + kt * pk.kt_elems,
-                        pk.vt.data() + kt * pk.vt_elems,
-                        lse + row,
-                        delta + row,
-                        mask};
-  };
+  if (BackwardInOnePass(g, pool.size())) {
+    const Context c{p, g, mk, cols, qs, kv, lse, delta};
+    // dQ tiles of the task's group: [group][nqb][bq][ld_d], one per worker.
+    const int64_t dq_elems = g.group * g.nqb * g.bq * g.ld_d;
+    std::vector<AlignedBuffer<float>> dq(static_cast<size_t>(pool.size()));
+    pool.ParallelFor(g.b * g.hkv, [&](int64_t task, int worker) {
+      const int64_t kh = task % g.hkv, b = task / g.hkv;
+      Workspace& ws = Workspace::ForThisThread(g, capped);
+      WorkerStats& st = wstats[static_cast<size_t>(worker)];
+      AlignedBuffer<float>& dqs = dq[static_cast<size_t>(worker)];
+      if (dqs.size() == 0) {
+        dqs.Resize(static_cast<size_t>(dq_elems));
+      } else {
+        std::memset(dqs.data(), 0, dqs.size() * sizeof(float));
+      }
+      auto dq_tile = [&](int64_t h, int64_t qb) {
+        return dqs.data() + ((h - kh * g.group) * g.nqb + qb) * g.bq * g.ld_d;
+      };
+      for (int64_t kvb = 0; kvb < g.nkvb; ++kvb) {
+        KvBlock(c, cols, b, kh, kvb, ws, st, dk_acc, dv_acc,
+                [&](int64_t h, int64_t qb, BlockKind kind) {
+                  AccumulateQ(c, b, h, qb, kvb, dq_tile(h, qb), ws);
+                  CountTile(kind, g, g.QRows(qb), g.KvRows(kvb), st);
+                });
+      }
+      for (int64_t h = kh * g.group; h < (kh + 1) * g.group; ++h) {
+        for (int64_t qb = 0; qb < g.nqb; ++qb) AddQTile(g, b, h, qb, dq_tile(h, qb), dq_acc);
+      }
+    });
+    AddStats(wstats, stats);
+    return;
+  }
 
-  {  // Pass 1: dK, dV.
-    const TilePlan plan(p, g, /*by_column=*/true);
+  {  // Pass 1: dK, dV (tile counts as in the forward, FLOPs of its four products).
+    const Context c{p, g, mk, cols, qs, kv, lse, delta};
     pool.ParallelFor(g.b * g.hkv * g.nkvb, [&](int64_t task, int worker) {
       const int64_t kvb = task % g.nkvb, kh = (task / g.nkvb) % g.hkv;
       const int64_t b = task / (g.nkvb * g.hkv);
-      const int64_t n = g.KvRows(kvb);
-      Scratch& sc = scratch[static_cast<size_t>(worker)];
+      Workspace& ws = Workspace::ForThisThread(g, capped);
       WorkerStats& st = wstats[static_cast<size_t>(worker)];
-      float* dk = sc.acc_a.data();
-      float* dv = sc.acc_b.data();
-      std::memset(dk, 0, static_cast<size_t>(n * g.ld_d) * sizeof(float));
-      std::memset(dv, 0, static_cast<size_t>(n * g.ld_dv) * sizeof(float));
-      for (int64_t h = kh * g.group; h < (kh + 1) * g.group; ++h) {
-        for (const mask::BlockRun& run : plan.map().Runs(h, kvb)) {
-          for (int64_t qb = run.begin; qb < run.end; ++qb) {
-            const BlockKind kind = plan.Refine(run.kind, b, qb, kvb);
-            if (kind == BlockKind::kEmpty) continue;
-            const int64_t m = g.QRows(qb);
-            const uint8_t* mask = nullptr;
-            if (kind == BlockKind::kPartial) {
-              plan.FillMask(run.kind, h, b, qb, kvb, sc.mask.data(), g.ld_kv);
-              mask = sc.mask.data();
-            }
-            const TileOperands t = operands(b, h, qb, kvb, mask);
-            ProbsAndDs(mk, p, g, m, n, t, sc);
-            // dV += P^T dO and dK += dS^T Q: A = P^T / dS^T read transposed.
-            mk.gemm_f32(n, g.dvp, m, sc.s.data(), 1, g.ld_kv, t.dout, g.ld_dv, dv, g.ld_dv, nullptr,
-                        true);
-            mk.gemm_f32(n, g.dp, m, sc.dp.data(), 1, g.ld_kv, t.q, g.ld_d, dk, g.ld_d, nullptr,
-                        true);
-            st.flops += 4 * m * n * (g.d + g.dv);
-          }
-        }
-      }
-      for (int64_t j = 0; j < n; ++j) {
-        const int64_t row = (b * g.skv + kvb * g.bkv + j) * g.hkv + kh;
-        float* dk_row = dk_acc + row * g.d;
-        float* dv_row = dv_acc + row * g.dv;
-        for (int64_t c = 0; c < g.d; ++c) dk_row[c] += dk[j * g.ld_d + c];
-        for (int64_t c = 0; c < g.dv; ++c) dv_row[c] += dv[j * g.ld_dv + c];
-      }
+      KvBlock(c, cols, b, kh, kvb, ws, st, dk_acc, dv_acc,
+              [&](int64_t, int64_t qb, BlockKind kind) {
+                CountTile(kind, g, g.QRows(qb), g.KvRows(kvb), st);
+                st.flops -= 2 * g.QRows(qb) * g.KvRows(kvb) * g.d;  // no dQ product here
+              });
     });
   }
-
-  {  // Pass 2: dQ.
-    const TilePlan plan(p, g, /*by_column=*/false);
+  {  // Pass 2: dQ (recomputes S and dP: FLOPs only).
+    const TilePlan rows(p, g, /*by_column=*/false);
+    const Context c{p, g, mk, rows, qs, kv, lse, delta};
     pool.ParallelFor(g.b * g.h * g.nqb, [&](int64_t task, int worker) {
       const int64_t qb = g.nqb - 1 - task % g.nqb;
       const int64_t h = (task / g.nqb) % g.h, b = task / (g.nqb * g.h);
-      const int64_t m = g.QRows(qb);
-      Scratch& sc = scratch[static_cast<size_t>(worker)];
+      Workspace& ws = Workspace::ForThisThread(g, capped);
       WorkerStats& st = wstats[static_cast<size_t>(worker)];
-      float* dq = sc.acc_a.data();
-      std::memset(dq, 0, static_cast<size_t>(m * g.ld_d) * sizeof(float));
-      int64_t computed = 0;
-      for (const mask::BlockRun& run : plan.map().Runs(h, qb)) {
+      float* dq = ws.dq.data();
+      std::memset(dq, 0, static_cast<size_t>(g.QRows(qb) * g.ld_d) * sizeof(float));
+      for (const mask::BlockRun& run : rows.map().Runs(h, qb)) {
         for (int64_t kvb = run.begin; kvb < run.end; ++kvb) {
-          const BlockKind kind = plan.Refine(run.kind, b, qb, kvb);
-          if (kind == BlockKind::kEmpty) continue;
-          const int64_t n = g.KvRows(kvb);
-          const uint8_t* mask = nullptr;
-          if (kind == BlockKind::kPartial) {
-            plan.FillMask(run.kind, h, b, qb, kvb, sc.mask.data(), g.ld_kv);
-            mask = sc.mask.data();
-          }
-          ProbsAndDs(mk, p, g, m, n, operands(b, h, qb, kvb, mask), sc);
-          const int64_t kt = (b * g.hkv + h / g.group) * g.nkvb + kvb;
-          mk.gemm_f32(m, g.dp, n, sc.dp.data(), g.ld_kv, 1, pk.k.data() + kt * pk.k_elems, g.ld_d,
-                      dq, g.ld_d, nullptr, true);
-          ++computed;
-          (kind == BlockKind::kFull ? st.full : st.partial) += 1;
-          st.flops += 2 * m * n * (2 * g.d + g.dv);
+          if (TileProbs(c, run.kind, b, h, qb, kvb, ws) == BlockKind::kEmpty) continue;
+          AccumulateQ(c, b, h, qb, kvb, dq, ws);
+          st.flops += 2 * g.QRows(qb) * g.KvRows(kvb) * (2 * g.d + g.dv);
         }
       }
-      st.computed += computed;
-      st.skipped += g.nkvb - computed;
-      for (int64_t i = 0; i < m; ++i) {
-        float* dq_row = dq_acc + ((b * g.sq + qb * g.bq + i) * g.h + h) * g.d;
-        for (int64_t c = 0; c < g.d; ++c) dq_row[c] += dq[i * g.ld_d + c];
-      }
+      AddQTile(g, b, h, qb, dq, dq_acc);
     });
   }
   AddStats(wstats, stats);

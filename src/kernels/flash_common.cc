@@ -28,6 +28,7 @@ Geometry Geometry::Of(const FlashParams& p) {
   g.ld_kv = micro::PaddedLd(g.bkv);
   g.ld_d = micro::PaddedLd(g.d);
   g.ld_dv = micro::PaddedLd(g.dv);
+  g.ld_q = micro::PaddedLd(g.bq);
   return g;
 }
 
@@ -104,6 +105,99 @@ void TilePlan::FillMask(mask::BlockKind map_kind, int64_t head, int64_t b, int64
     uint8_t* row = out + i * ld;
     for (int64_t j = 0; j < n; ++j) row[j] = (row[j] != 0 && qs[i] == ks[j]) ? 1 : 0;
   }
+}
+
+void TilePlan::FillMaskTransposed(mask::BlockKind map_kind, int64_t head, int64_t b, int64_t qb,
+                                  int64_t kvb, uint8_t* tmp, uint8_t* out) const {
+  const int64_t m = g_.QRows(qb), n = g_.KvRows(kvb);
+  const int64_t mp = micro::RoundUp(m, micro::kVec);
+  FillMask(map_kind, head, b, qb, kvb, tmp, g_.ld_kv);
+  // 16 x 16 byte blocks: both sides stay within a few cache lines.
+  for (int64_t j0 = 0; j0 < n; j0 += 16) {
+    const int64_t j1 = std::min(n, j0 + 16);
+    for (int64_t i0 = 0; i0 < mp; i0 += 16) {
+      for (int64_t j = j0; j < j1; ++j) {
+        uint8_t* o = out + j * g_.ld_q + i0;
+        for (int64_t i = 0; i < 16; ++i) o[i] = i0 + i < m ? tmp[(i0 + i) * g_.ld_kv + j] : 0;
+      }
+    }
+  }
+}
+
+KvRows::KvRows(const FlashParams& p, const Geometry& g, KeyFormat keys, ThreadPool& pool) : g_(g) {
+  const TensorView& k = p.k;
+  const TensorView& v = p.v;
+  for (int i = 0; i < 3; ++i) {
+    k_stride_[i] = k.stride[i < 2 ? i : 2];
+    v_stride_[i] = v.stride[i < 2 ? i : 2];
+  }
+  const bool k_f32 = k.dtype == DType::kF32 && k.stride[3] == 1;
+  if (keys == KeyFormat::kF32 && k_f32) {
+    k_in_place_ = static_cast<const float*>(k.data);
+    ldk_ = k.stride[1];
+  }
+  // V is the B operand of P V, read in column panels of 64: in place only if
+  // its rows are back to back and a panel either spans whole rows (Dv <= 64)
+  // or does not alias in L1 (row strides of 512 bytes map a panel's rows onto
+  // half the sets; PaddedLd avoids that for packed tiles).
+  const bool v_rows_dense = v.dtype == DType::kF32 && v.stride[3] == 1 && v.stride[1] == g.dv;
+  if (v_rows_dense && g.dv % micro::kVec == 0 && (g.dv <= 64 || g.dv % 128 != 0)) {
+    v_in_place_ = static_cast<const float*>(v.data);
+    ldv_ = v.stride[1];
+  }
+  const int64_t tiles = g.b * g.hkv * g.nkvb;
+  const int64_t d2 = micro::RoundUp(g.d, 2);
+  const bool pack_k = k_in_place_ == nullptr, pack_v = v_in_place_ == nullptr;
+  if (pack_k) {
+    if (keys == KeyFormat::kBf16) {
+      k_elems_ = g.bkv * d2;
+      k_bf16_.Resize(static_cast<size_t>(tiles * k_elems_));
+    } else {
+      ldk_ = g.ld_d;
+      k_elems_ = g.bkv * g.ld_d;
+      k_packed_.Resize(static_cast<size_t>(tiles * k_elems_));
+    }
+  }
+  if (pack_v) {
+    ldv_ = g.ld_dv;
+    v_elems_ = g.bkv * g.ld_dv;
+    v_packed_.Resize(static_cast<size_t>(tiles * v_elems_));
+  }
+  if (!pack_k && !pack_v) return;
+  pool.ParallelFor(tiles, [&](int64_t t, int) {
+    const int64_t kvb = t % g.nkvb, kh = (t / g.nkvb) % g.hkv, b = t / (g.nkvb * g.hkv);
+    const int64_t n = g.KvRows(kvb);
+    if (pack_k) {
+      const Slab ks{&p.k, b, kh, kvb * g.bkv, n, g.d};
+      if (keys == KeyFormat::kBf16) {
+        PackRowsBf16(ks, k_bf16_.data() + t * k_elems_, d2);
+      } else {
+        PackRowsF32(ks, k_packed_.data() + t * k_elems_, g.ld_d, n);
+      }
+    }
+    if (pack_v) {
+      PackRowsF32(Slab{&p.v, b, kh, kvb * g.bkv, n, g.dv}, v_packed_.data() + t * v_elems_, g.ld_dv,
+                  n);
+    }
+  });
+}
+
+const float* KvRows::Keys(int64_t b, int64_t kh, int64_t kvb) const {
+  if (k_in_place_ != nullptr) {
+    return k_in_place_ + b * k_stride_[0] + kvb * g_.bkv * k_stride_[1] + kh * k_stride_[2];
+  }
+  return k_packed_.data() + Tile(b, kh, kvb) * k_elems_;
+}
+
+const uint16_t* KvRows::KeysBf16(int64_t b, int64_t kh, int64_t kvb) const {
+  return k_bf16_.data() + Tile(b, kh, kvb) * k_elems_;
+}
+
+const float* KvRows::Values(int64_t b, int64_t kh, int64_t kvb) const {
+  if (v_in_place_ != nullptr) {
+    return v_in_place_ + b * v_stride_[0] + kvb * g_.bkv * v_stride_[1] + kh * v_stride_[2];
+  }
+  return v_packed_.data() + Tile(b, kh, kvb) * v_elems_;
 }
 
 void AddStats(const std::vector<WorkerStats>& per_worker, KernelStats* stats) {

@@ -11,6 +11,7 @@
 #include "ringsplash/attention.h"
 #include "ringsplash/mask.h"
 #include "src/kernels/flash.h"
+#include "src/kernels/tile_pack.h"
 #include "src/mask/block_map.h"
 
 namespace ringsplash::kernels {
@@ -21,8 +22,9 @@ struct Geometry {
   int64_t bq = 0, bkv = 0;  // block sizes (bkv a multiple of micro::kVec)
   int64_t nqb = 0, nkvb = 0;
   int64_t dp = 0, dvp = 0;  // D, Dv rounded up to micro::kVec
-  // Leading dimensions (micro::PaddedLd) of tiles with bkv, D and Dv columns.
-  int64_t ld_kv = 0, ld_d = 0, ld_dv = 0;
+  // Leading dimensions (micro::PaddedLd) of tiles with bkv, D, Dv and bq
+  // columns (ld_q: the query lanes of transposed tiles).
+  int64_t ld_kv = 0, ld_d = 0, ld_dv = 0, ld_q = 0;
   static Geometry Of(const FlashParams& p);
   int64_t QRows(int64_t qb) const;    // rows of q block qb (ragged last block)
   int64_t KvRows(int64_t kvb) const;  // rows of kv block kvb
@@ -41,6 +43,11 @@ class TilePlan {
   // out[i * ld + j] (i < rows of qb, j < rows of kvb) = 1 if allowed, else 0.
   void FillMask(mask::BlockKind map_kind, int64_t head, int64_t b, int64_t qb, int64_t kvb,
                 uint8_t* out, int64_t ld) const;
+  // The same mask transposed for the kernels' layout (micro.h TileArgs):
+  // out[j * ld_q + i] for j < rows of kvb, i < RoundUp(rows of qb, kVec)
+  // (0 beyond the q rows). `tmp` holds bq * ld_kv bytes of scratch.
+  void FillMaskTransposed(mask::BlockKind map_kind, int64_t head, int64_t b, int64_t qb,
+                          int64_t kvb, uint8_t* tmp, uint8_t* out) const;
 
  private:
   const Geometry& g_;
@@ -49,6 +56,49 @@ class TilePlan {
   std::vector<int32_t> q_seg_, kv_seg_;                  // [B, Sq], [B, Skv] contiguous copies
   std::vector<mask::BlockRanges> q_ranges_, kv_ranges_;  // per batch
 };
+
+// Where the flash loops read the K and V rows of kv tile (b, kv head, kvb):
+// the caller's tensor itself when it is f32 with unit inner stride (K: any
+// row stride, it is only broadcast from; V: rows back to back and Dv a
+// multiple of kVec, since it is loaded in full vectors), else a copy packed
+// once per call (f32 rows with PaddedLd leading dimensions; bf16 rows of
+// RoundUp(D, 2) for the bf16 product path).
+class KvRows {
+ public:
+  enum class KeyFormat { kF32, kF32Padded, kBf16 };  // kF32Padded: rows of ld_d, zero padded
+  KvRows(const FlashParams& p, const Geometry& g, KeyFormat keys, ThreadPool& pool);
+  const float* Keys(int64_t b, int64_t kh, int64_t kvb) const;
+  int64_t ldk() const { return ldk_; }
+  const uint16_t* KeysBf16(int64_t b, int64_t kh, int64_t kvb) const;  // ld RoundUp(D, 2)
+  const float* Values(int64_t b, int64_t kh, int64_t kvb) const;
+  int64_t ldv() const { return ldv_; }
+  bool keys_in_place() const { return k_in_place_ != nullptr; }
+  bool values_in_place() const { return v_in_place_ != nullptr; }
+
+ private:
+  int64_t Tile(int64_t b, int64_t kh, int64_t kvb) const {
+    return (b * g_.hkv + kh) * g_.nkvb + kvb;
+  }
+  const Geometry& g_;
+  const float* k_in_place_ = nullptr;
+  const float* v_in_place_ = nullptr;
+  int64_t k_stride_[3] = {0, 0, 0}, v_stride_[3] = {0, 0, 0};  // b, s, head
+  int64_t ldk_ = 0, ldv_ = 0, k_elems_ = 0, v_elems_ = 0;
+  AlignedBuffer<float> k_packed_, v_packed_;
+  AlignedBuffer<uint16_t> k_bf16_;
+};
+
+// Grows a per-thread scratch buffer to at least n elements.
+template <typename T>
+T* Grow(AlignedBuffer<T>& buf, int64_t n) {
+  if (buf.size() < static_cast<size_t>(n)) buf.Resize(static_cast<size_t>(n));
+  return buf.data();
+}
+
+// Whether FlashBackward runs its one-pass schedule (tasks per (batch, kv
+// head)) for `threads` workers rather than two passes. Both give bitwise
+// identical results; only the FLOPs spent (KernelStats::flops) differ.
+bool BackwardInOnePass(const Geometry& g, int threads);
 
 // Integer counters per worker; Total() sums them in worker order.
 struct WorkerStats {

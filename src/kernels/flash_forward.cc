@@ -1,14 +1,21 @@
 // FlashForward (flash.h): block-sparse online-softmax attention, SPEC §2
 // steps 1-3 and 5 (no sinks; the caller adds them once per row).
 //
-// Structure: K^T and V are packed once per (batch, kv head, kv block) into a
-// per-call scratch in the micro-kernels' formats (f32, or bf16 pairs on the
-// avx512_bf16 path with bf16 inputs), shared read-only by every query head of
-// the GQA group and every q block. Tasks are (batch, query head, q block);
-// each walks the non-empty kv tiles of its block-map row:
-//   S = Q K^T  ->  scale, soft cap, mask, online softmax  ->  acc = alpha acc + P V
+// Tasks are (batch, query head, q block); each packs its Q block once as Q^T
+// (lanes = queries) and walks the non-empty kv tiles of its block-map row in
+// the transposed layout of micro.h:
+//   P^T = softmax step of (K Q^T)^T   (fused, lazily rescaled: ForwardTileFn)
+//   acc = diag(alpha) acc + P V        (A = P^T read column-major)
 // and finally writes out = acc / l, lse = m + log(l) for its own rows only, so
 // results are bitwise independent of the thread count.
+//
+// K and V rows are read where they are: f32 inputs with unit inner stride
+// are used in place (no copy, no per-call memory growth — what lets a long
+// ring step stay within its inputs' memory); other inputs, and V rows whose
+// stride would alias in L1, are packed once per call. Per-thread scratch
+// lives as long as its thread (pool threads persist), so a call allocates
+// nothing per tile and, with in-place K/V, nothing of size O(S).
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -27,64 +34,53 @@ using micro::RoundUp;
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-// Packed K^T and V tiles of one call.
-struct PackedKv {
-  bool bf16 = false;
-  int64_t kt_elems = 0, v_elems = 0;  // per tile
-  AlignedBuffer<float> kt_f32, v_f32;
-  AlignedBuffer<uint16_t> kt_bf16, v_bf16;
-};
-
-PackedKv PackKv(const FlashParams& p, const Geometry& g, bool bf16, ThreadPool& pool) {
-  PackedKv pk;
-  pk.bf16 = bf16;
-  const int64_t tiles = g.b * g.hkv * g.nkvb;
-  if (bf16) {
-    pk.kt_elems = RoundUp(g.d, 2) * g.ld_kv;  // [d2 / 2][ld_kv][2]
-    pk.v_elems = g.bkv * g.ld_dv;             // [bkv / 2][ld_dv][2]
-    pk.kt_bf16.Resize(static_cast<size_t>(tiles * pk.kt_elems));
-    pk.v_bf16.Resize(static_cast<size_t>(tiles * pk.v_elems));
-  } else {
-    pk.kt_elems = g.d * g.ld_kv;   // [d][ld_kv]
-    pk.v_elems = g.bkv * g.ld_dv;  // [bkv][ld_dv]
-    pk.kt_f32.Resize(static_cast<size_t>(tiles * pk.kt_elems));
-    pk.v_f32.Resize(static_cast<size_t>(tiles * pk.v_elems));
-  }
-  pool.ParallelFor(tiles, [&](int64_t t, int) {
-    const int64_t kvb = t % g.nkvb, kh = (t / g.nkvb) % g.hkv, b = t / (g.nkvb * g.hkv);
-    const int64_t n = g.KvRows(kvb);
-    const Slab ks{&p.k, b, kh, kvb * g.bkv, n, g.d};
-    const Slab vs{&p.v, b, kh, kvb * g.bkv, n, g.dv};
-    if (bf16) {
-      PackTransposedBf16Pairs(ks, pk.kt_bf16.data() + t * pk.kt_elems, g.ld_kv);
-      PackRowsBf16Pairs(vs, pk.v_bf16.data() + t * pk.v_elems, g.ld_dv, g.bkv);
-    } else {
-      PackTransposedF32(ks, pk.kt_f32.data() + t * pk.kt_elems, g.ld_kv);
-      PackRowsF32(vs, pk.v_f32.data() + t * pk.v_elems, g.ld_dv, g.bkv);
-    }
-  });
-  return pk;
+// The bf16 product path: K Q^T with vdpbf16ps on bf16 operands (bf16 inputs
+// only, so nothing is rounded that was not already bf16); the softmax and
+// P V stay f32.
+bool UseBf16Scores(const FlashParams& p, const micro::MicroKernels& mk) {
+  return p.q.dtype == DType::kBF16 && mk.gemm_bf16 != nullptr;
 }
 
-struct Scratch {
-  AlignedBuffer<float> q, s, acc, row_max, row_sum, alpha;
-  AlignedBuffer<uint16_t> q_bf16, p_bf16;
-  AlignedBuffer<uint8_t> mask;
-  Scratch(const Geometry& g, bool bf16) {
-    if (bf16) {
-      q_bf16.Resize(static_cast<size_t>(g.bq * RoundUp(g.d, 2)));
-      p_bf16.Resize(static_cast<size_t>(g.bq * g.ld_kv));
-    } else {
-      q.Resize(static_cast<size_t>(g.bq * g.d));
-    }
-    s.Resize(static_cast<size_t>(g.bq * g.ld_kv));
-    acc.Resize(static_cast<size_t>(g.bq * g.ld_dv));
-    row_max.Resize(static_cast<size_t>(g.bq));
-    row_sum.Resize(static_cast<size_t>(g.bq));
-    alpha.Resize(static_cast<size_t>(g.bq));
-    mask.Resize(static_cast<size_t>(g.bq * g.ld_kv));
+// Per-thread scratch of the task loop.
+struct Workspace {
+  AlignedBuffer<float> qt, pt, acc, row_max, row_sum, alpha, tile;
+  AlignedBuffer<uint16_t> qt_bf16;
+  AlignedBuffer<uint8_t> mask, mask_t;
+
+  static Workspace& ForThisThread(const Geometry& g, bool bf16) {
+    thread_local Workspace ws;
+    const int64_t d2 = RoundUp(g.d, 2);
+    Grow(ws.qt, g.d * g.ld_q);
+    if (bf16) Grow(ws.qt_bf16, d2 * g.ld_q);
+    Grow(ws.pt, g.bkv * g.ld_q);
+    Grow(ws.acc, g.bq * g.ld_dv);
+    Grow(ws.row_max, g.ld_q);
+    Grow(ws.row_sum, g.ld_q);
+    Grow(ws.alpha, g.ld_q);
+    Grow(ws.tile, 2 * g.ld_q);
+    Grow(ws.mask, g.bq * g.ld_kv);
+    Grow(ws.mask_t, g.bkv * g.ld_q);
+    return ws;
   }
 };
+
+void FinishRows(const Geometry& g, int64_t b, int64_t h, int64_t qb, int64_t m, const Workspace& ws,
+                float* out, float* lse) {
+  for (int64_t i = 0; i < m; ++i) {
+    const int64_t row = qb * g.bq + i;
+    float* o = out + ((b * g.sq + row) * g.h + h) * g.dv;
+    const float l = ws.row_sum[i];
+    if (l > 0.0f) {
+      const float* a = ws.acc.data() + i * g.ld_dv;
+      const float inv = 1.0f / l;
+      for (int64_t c = 0; c < g.dv; ++c) o[c] = a[c] * inv;
+      lse[(b * g.h + h) * g.sq + row] = ws.row_max[i] + std::log(l);
+    } else {
+      std::memset(o, 0, static_cast<size_t>(g.dv) * sizeof(float));
+      lse[(b * g.h + h) * g.sq + row] = kNegInf;
+    }
+  }
+}
 
 }  // namespace
 
@@ -98,13 +94,9 @@ void FlashForward(const FlashParams& p, ThreadPool& pool, float* out, float* lse
     return;
   }
   const micro::MicroKernels& mk = micro::MicroKernelsFor(p.path);
-  const bool bf16 = p.q.dtype == DType::kBF16 && mk.gemm_bf16 != nullptr;
+  const bool bf16 = UseBf16Scores(p, mk);
   const TilePlan plan(p, g, /*by_column=*/false);
-  const PackedKv kv = PackKv(p, g, bf16, pool);
-
-  std::vector<Scratch> scratch;
-  scratch.reserve(static_cast<size_t>(pool.size()));
-  for (int w = 0; w < pool.size(); ++w) scratch.emplace_back(g, bf16);
+  const KvRows kv(p, g, bf16 ? KvRows::KeyFormat::kBf16 : KvRows::KeyFormat::kF32, pool);
   std::vector<WorkerStats> wstats(static_cast<size_t>(pool.size()));
 
   const int64_t d2 = RoundUp(g.d, 2);
@@ -115,53 +107,55 @@ void FlashForward(const FlashParams& p, ThreadPool& pool, float* out, float* lse
     const int64_t b = task / (g.nqb * g.h);
     const int64_t kh = h / g.group;
     const int64_t m = g.QRows(qb);
-    Scratch& sc = scratch[static_cast<size_t>(worker)];
+    Workspace& ws = Workspace::ForThisThread(g, bf16);
     WorkerStats& st = wstats[static_cast<size_t>(worker)];
 
     const Slab qs{&p.q, b, h, qb * g.bq, m, g.d};
     if (bf16) {
-      PackRowsBf16(qs, sc.q_bf16.data(), d2);
+      PackTransposedBf16Pairs(qs, ws.qt_bf16.data(), g.ld_q);
     } else {
-      PackRowsF32(qs, sc.q.data(), g.d, m);
+      PackTransposedF32(qs, ws.qt.data(), g.ld_q);
     }
     for (int64_t i = 0; i < m; ++i) {
-      sc.row_max[i] = kNegInf;
-      sc.row_sum[i] = 0.0f;
+      ws.row_max[i] = kNegInf;
+      ws.row_sum[i] = 0.0f;
     }
-    std::memset(sc.acc.data(), 0, static_cast<size_t>(m * g.ld_dv) * sizeof(float));
+    std::memset(ws.acc.data(), 0, static_cast<size_t>(m * g.ld_dv) * sizeof(float));
 
+    micro::TileArgs t;
+    t.queries = m;
+    t.d = g.d;
+    t.qt = ws.qt.data();
+    t.ldq = g.ld_q;
+    t.pt = ws.pt.data();
+    t.ldp = g.ld_q;
+    t.ldm = g.ld_q;
+    t.scale = p.scale;
+    t.softcap = p.softcap;
+    t.scratch = ws.tile.data();
     int64_t computed = 0;
     for (const mask::BlockRun& run : plan.map().Runs(h, qb)) {
       for (int64_t kvb = run.begin; kvb < run.end; ++kvb) {
         const BlockKind kind = plan.Refine(run.kind, b, qb, kvb);
         if (kind == BlockKind::kEmpty) continue;
-        const int64_t n = g.KvRows(kvb), n16 = RoundUp(n, micro::kVec);
-        const int64_t tile = (b * g.hkv + kh) * g.nkvb + kvb;
-        const uint8_t* mask = nullptr;
+        const int64_t n = g.KvRows(kvb);
+        t.keys = n;
+        t.mask = nullptr;
         if (kind == BlockKind::kPartial) {
-          plan.FillMask(run.kind, h, b, qb, kvb, sc.mask.data(), g.ld_kv);
-          mask = sc.mask.data();
+          plan.FillMaskTransposed(run.kind, h, b, qb, kvb, ws.mask.data(), ws.mask_t.data());
+          t.mask = ws.mask_t.data();
         }
         if (bf16) {
-          mk.gemm_bf16(m, n16, d2 / 2, sc.q_bf16.data(), d2, kv.kt_bf16.data() + tile * kv.kt_elems,
-                       g.ld_kv, sc.s.data(), g.ld_kv, nullptr, false);
+          mk.gemm_bf16(n, RoundUp(m, micro::kVec), d2 / 2, kv.KeysBf16(b, kh, kvb), d2,
+                       ws.qt_bf16.data(), g.ld_q, t.pt, t.ldp, nullptr, false);
+          mk.softmax_columns(t, ws.row_max.data(), ws.row_sum.data(), ws.alpha.data());
         } else {
-          mk.gemm_f32(m, n16, g.d, sc.q.data(), g.d, 1, kv.kt_f32.data() + tile * kv.kt_elems,
-                      g.ld_kv, sc.s.data(), g.ld_kv, nullptr, false);
+          t.k = kv.Keys(b, kh, kvb);
+          t.ldk = kv.ldk();
+          mk.forward_tile(t, ws.row_max.data(), ws.row_sum.data(), ws.alpha.data());
         }
-        mk.softmax_forward(m, n, sc.s.data(), g.ld_kv, mask, g.ld_kv, p.scale, p.softcap,
-                           sc.row_max.data(), sc.row_sum.data(), sc.alpha.data());
-        if (bf16) {
-          // P is rounded to bf16 for this product only (the row sums above
-          // stay f32): the bf16 path's documented extra rounding.
-          mk.to_bf16(m, n, sc.s.data(), g.ld_kv, sc.p_bf16.data(), g.ld_kv);
-          mk.gemm_bf16(m, g.dvp, (n + 1) / 2, sc.p_bf16.data(), g.ld_kv,
-                       kv.v_bf16.data() + tile * kv.v_elems, g.ld_dv, sc.acc.data(), g.ld_dv,
-                       sc.alpha.data(), true);
-        } else {
-          mk.gemm_f32(m, g.dvp, n, sc.s.data(), g.ld_kv, 1, kv.v_f32.data() + tile * kv.v_elems,
-                      g.ld_dv, sc.acc.data(), g.ld_dv, sc.alpha.data(), true);
-        }
+        mk.gemm_f32(m, g.dvp, n, t.pt, 1, t.ldp, kv.Values(b, kh, kvb), kv.ldv(), ws.acc.data(),
+                    g.ld_dv, ws.alpha.data(), true);
         ++computed;
         (kind == BlockKind::kFull ? st.full : st.partial) += 1;
         st.flops += 2 * m * n * (g.d + g.dv);
@@ -169,21 +163,7 @@ void FlashForward(const FlashParams& p, ThreadPool& pool, float* out, float* lse
     }
     st.computed += computed;
     st.skipped += g.nkvb - computed;
-
-    // Finalise this task's rows: out [B, Sq, H, Dv], lse [B, H, Sq].
-    for (int64_t i = 0; i < m; ++i) {
-      const int64_t row = qb * g.bq + i;
-      float* o = out + ((b * g.sq + row) * g.h + h) * g.dv;
-      const float l = sc.row_sum[i];
-      if (l > 0.0f) {
-        const float* a = sc.acc.data() + i * g.ld_dv;
-        for (int64_t c = 0; c < g.dv; ++c) o[c] = a[c] / l;
-        lse[(b * g.h + h) * g.sq + row] = sc.row_max[i] + std::log(l);
-      } else {
-        std::memset(o, 0, static_cast<size_t>(g.dv) * sizeof(float));
-        lse[(b * g.h + h) * g.sq + row] = kNegInf;
-      }
-    }
+    FinishRows(g, b, h, qb, m, ws, out, lse);
   });
   AddStats(wstats, stats);
 }

@@ -46,46 +46,75 @@ using GemmBf16Fn = void (*)(int64_t m, int64_t n, int64_t k2, const uint16_t* a,
                             const uint16_t* b, int64_t ldb, float* c, int64_t ldc,
                             const float* row_scale, bool accumulate);
 
-// Online-softmax step of the forward on an S tile (s[i * lds + j], i < m,
-// j < n, lds >= RoundUp(n, kVec)). Per row i:
-//   x_j   = scale * s_ij, then softcap > 0: x_j = softcap * tanh(x_j / softcap),
-//           then masked (mask != nullptr && mask[i * ldm + j] == 0): x_j = -inf
-//   m_new = max(row_max_i, max_j x_j); shift = (m_new == -inf) ? 0 : m_new
-//   s_ij  = exp(x_j - shift) for j < n, 0 for n <= j < RoundUp(n, kVec)
-//   alpha_i = exp(row_max_i - shift); row_sum_i = alpha_i * row_sum_i + sum_j s_ij;
-//   row_max_i = m_new.
-// A row masked in this tile keeps row_max = -inf or its old value; never NaN.
-using SoftmaxForwardFn = void (*)(int64_t m, int64_t n, float* s, int64_t lds, const uint8_t* mask,
-                                  int64_t ldm, float scale, float softcap, float* row_max,
-                                  float* row_sum, float* alpha);
+// --- Tiles in the transposed layout -------------------------------------------
+// The flash loops hold score tiles TRANSPOSED: S^T = K Q^T with keys as rows
+// and queries as the 16 lanes of a vector. K (and V) rows are then read as
+// they are stored (no transposition per kv tile; f32 inputs need no packing
+// at all) and the softmax bookkeeping of a query (max, sum, lse, delta) is one
+// lane: no horizontal reductions anywhere. Q^T (and dO^T) are packed once per
+// q block and reused by every kv tile.
+//
+// Common fields: `keys` rows j of the tile and `queries` lanes i; vectors span
+// mp = RoundUp(queries, kVec) lanes. Logits x_ji = scale * (K Q^T)_ji, then
+// with softcap > 0 x = softcap * tanh(x / softcap), then masked
+// (mask != nullptr && mask[j * ldm + i] == 0) to -inf.
+struct TileArgs {
+  int64_t keys = 0, queries = 0, d = 0;
+  const float* k = nullptr;  // K(j, p) = k[j * ldk + p], p < d
+  int64_t ldk = 0;
+  const float* qt = nullptr;  // Q^T(p, i) = qt[p * ldq + i], zero for queries <= i < mp
+  int64_t ldq = 0;
+  float* pt = nullptr;  // P^T(j, i) = pt[j * ldp + i] (output), i < mp
+  int64_t ldp = 0;
+  const uint8_t* mask = nullptr;  // transposed element mask, or nullptr (all allowed)
+  int64_t ldm = 0;
+  float scale = 1.0f, softcap = 0.0f;
+  float* scratch = nullptr;  // 2 * mp floats of working space
+};
 
-// Backward probabilities on an S tile, in place: x as above (cap, then mask),
-// s_ij = exp(x_j - lse_i) (0 when lse_i == -inf: the row has no allowed key),
-// 0 for n <= j < RoundUp(n, kVec). With softcap > 0 also writes the soft cap's
-// derivative deriv[i * lds + j] = 1 - (x_capped / softcap)^2 (taken before
-// masking, so finite) for j < n.
-using ProbsBackwardFn = void (*)(int64_t m, int64_t n, float* s, int64_t lds, const uint8_t* mask,
-                                 int64_t ldm, float scale, float softcap, const float* lse,
-                                 float* deriv);
+// Forward, in place on P^T already holding the raw products (K Q^T)^T: the
+// EXACT online-softmax step of every query lane i < queries:
+//   m_new = max(row_max_i, max_j x_ji); shift = (m_new == -inf) ? 0 : m_new
+//   P^T_ji = exp(x_ji - shift); alpha_i = exp(row_max_i - shift)
+//   row_sum_i = alpha_i * row_sum_i + sum_j P^T_ji; row_max_i = m_new.
+// A query masked in the whole tile keeps row_max = -inf or its old value.
+using SoftmaxColumnsFn = void (*)(const TileArgs& t, float* row_max, float* row_sum, float* alpha);
 
-// dS in place of dP: dp_ij = scale * p_ij * (dp_ij - delta_i) * (deriv ? deriv_ij : 1)
-// for j < n, 0 for n <= j < RoundUp(n, kVec). p, dp and deriv share `ld`.
-using DsBackwardFn = void (*)(int64_t m, int64_t n, const float* p, float* dp, int64_t ld,
-                              const float* delta, const float* deriv, float scale);
+// Forward: computes K Q^T and the online-softmax step of SoftmaxColumnsFn,
+// fused where the implementation can. It may instead take a LAZY step for a
+// query whose row_max is finite: P^T_ji = exp(x_ji - row_max_i) with
+// alpha_i = 1, row_sum_i += sum_j P^T_ji and row_max_i unchanged, provided
+// every such sum stays <= kLazySumLimit (so nothing overflows). row_max is
+// then a reference value rather than the running maximum; out = acc / l and
+// lse = row_max + log(l) are unchanged up to rounding, and the result is
+// still a deterministic function of the inputs and tile order.
+constexpr float kLazySumLimit = 1048576.0f;  // 2^20
+using ForwardTileFn = void (*)(const TileArgs& t, float* row_max, float* row_sum, float* alpha);
 
-// Rounds an f32 tile to bf16 (round to nearest even): dst[i * ldd + j] for
-// j < n, and 0 for n <= j < RoundUp(n, 2) (so pairs are complete).
-using ToBf16Fn = void (*)(int64_t m, int64_t n, const float* src, int64_t lds, uint16_t* dst,
-                          int64_t ldd);
+// Backward tile: P^T_ji = exp(x_ji - lse_i) (0 where masked or lse_i = -inf)
+// and dS^T_ji = scale * P^T_ji * (dP^T_ji - delta_i) [* (1 - (x_ji / softcap)^2)
+// with a soft cap, the derivative taken before masking] where dP^T = V dO^T.
+// Writes P^T to t.pt and dS^T to ds[j * ldp + i] (lanes i >= queries: unspecified).
+struct BackwardTileArgs {
+  TileArgs t;
+  int64_t dv = 0;
+  const float* v = nullptr;  // V(j, c) = v[j * ldv + c], c < dv
+  int64_t ldv = 0;
+  const float* dot = nullptr;    // dO^T(c, i) = dot[c * ldq + i], zero padded like Q^T
+  const float* lse = nullptr;    // [queries]
+  const float* delta = nullptr;  // [queries]
+  float* ds = nullptr;
+  float* deriv = nullptr;  // keys * ldp floats of working space when softcap > 0
+};
+using BackwardTileFn = void (*)(const BackwardTileArgs& b);
 
 struct MicroKernels {
   const char* name = "";
   GemmF32Fn gemm_f32 = nullptr;
   GemmBf16Fn gemm_bf16 = nullptr;  // only on the avx512_bf16 path
-  SoftmaxForwardFn softmax_forward = nullptr;
-  ProbsBackwardFn probs_backward = nullptr;
-  DsBackwardFn ds_backward = nullptr;
-  ToBf16Fn to_bf16 = nullptr;
+  SoftmaxColumnsFn softmax_columns = nullptr;
+  ForwardTileFn forward_tile = nullptr;
+  BackwardTileFn backward_tile = nullptr;
 };
 
 const MicroKernels& PortableMicroKernels();

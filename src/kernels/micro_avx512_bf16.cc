@@ -94,20 +94,6 @@ void GemmBf16(int64_t m, int64_t n, int64_t k2, const uint16_t* a, int64_t lda, 
   }
 }
 
-void ToBf16(int64_t m, int64_t n, const float* src, int64_t lds, uint16_t* dst, int64_t ldd) {
-  const int64_t n2 = RoundUp(n, 2);
-  for (int64_t i = 0; i < m; ++i) {
-    for (int64_t j = 0; j < n2; j += 16) {
-      const int64_t lanes_in = n - j, lanes_out = n2 - j;
-      const __mmask16 in = lanes_in >= 16 ? 0xffff : static_cast<__mmask16>((1u << lanes_in) - 1);
-      const __mmask16 out =
-          lanes_out >= 16 ? 0xffff : static_cast<__mmask16>((1u << lanes_out) - 1);
-      const __m256bh h = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(in, src + i * lds + j));
-      _mm256_mask_storeu_epi16(dst + i * ldd + j, out, (__m256i)h);
-    }
-  }
-}
-
 }  // namespace
 
 const MicroKernels& Avx512Bf16MicroKernels() {
@@ -115,7 +101,6 @@ const MicroKernels& Avx512Bf16MicroKernels() {
     MicroKernels t = Avx512MicroKernels();
     t.name = "avx512_bf16";
     t.gemm_bf16 = GemmBf16;
-    t.to_bf16 = ToBf16;
     return t;
   }();
   return table;

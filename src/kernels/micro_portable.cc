@@ -34,36 +34,41 @@ void GemmF32(int64_t m, int64_t n, int64_t k, const float* a, int64_t a_rs, int6
   }
 }
 
-// x = cap(scale * s), masked to -inf; shared by forward and backward so both
-// see bit-identical logits.
+// x = cap(scale * s); shared by forward and backward so both see
+// bit-identical logits.
 inline float Logit(float s, float scale, float softcap, float inv_cap) {
   float x = s * scale;
   if (softcap > 0.0f) x = softcap * std::tanh(x * inv_cap);
   return x;
 }
 
-void SoftmaxForward(int64_t m, int64_t n, float* s, int64_t lds, const uint8_t* mask, int64_t ldm,
-                    float scale, float softcap, float* row_max, float* row_sum, float* alpha) {
-  const float inv_cap = softcap > 0.0f ? 1.0f / softcap : 0.0f;
-  const int64_t n_pad = RoundUp(n, kVec);
-  for (int64_t i = 0; i < m; ++i) {
-    float* si = s + i * lds;
-    const uint8_t* mi = mask != nullptr ? mask + i * ldm : nullptr;
+inline bool Allowed(const TileArgs& t, int64_t j, int64_t i) {
+  return t.mask == nullptr || t.mask[j * t.ldm + i] != 0;
+}
+
+// Raw products S^T = K Q^T into t.pt.
+void ScoresT(const TileArgs& t) {
+  GemmF32(t.keys, RoundUp(t.queries, kVec), t.d, t.k, t.ldk, 1, t.qt, t.ldq, t.pt, t.ldp, nullptr,
+          false);
+}
+
+void SoftmaxColumns(const TileArgs& t, float* row_max, float* row_sum, float* alpha) {
+  const float inv_cap = t.softcap > 0.0f ? 1.0f / t.softcap : 0.0f;
+  for (int64_t i = 0; i < t.queries; ++i) {
     float mx = kNegInf;
-    for (int64_t j = 0; j < n; ++j) {
-      float x = Logit(si[j], scale, softcap, inv_cap);
-      if (mi != nullptr && mi[j] == 0) x = kNegInf;
-      si[j] = x;
-      mx = std::max(mx, x);
+    for (int64_t j = 0; j < t.keys; ++j) {
+      float& s = t.pt[j * t.ldp + i];
+      s = Allowed(t, j, i) ? Logit(s, t.scale, t.softcap, inv_cap) : kNegInf;
+      mx = std::max(mx, s);
     }
     const float m_new = std::max(row_max[i], mx);
     const float shift = m_new == kNegInf ? 0.0f : m_new;
     float sum = 0.0f;
-    for (int64_t j = 0; j < n; ++j) {
-      si[j] = std::exp(si[j] - shift);
-      sum += si[j];
+    for (int64_t j = 0; j < t.keys; ++j) {
+      float& s = t.pt[j * t.ldp + i];
+      s = std::exp(s - shift);
+      sum += s;
     }
-    for (int64_t j = n; j < n_pad; ++j) si[j] = 0.0f;
     const float a = std::exp(row_max[i] - shift);
     alpha[i] = a;
     row_sum[i] = a * row_sum[i] + sum;
@@ -71,48 +76,31 @@ void SoftmaxForward(int64_t m, int64_t n, float* s, int64_t lds, const uint8_t* 
   }
 }
 
-void ProbsBackward(int64_t m, int64_t n, float* s, int64_t lds, const uint8_t* mask, int64_t ldm,
-                   float scale, float softcap, const float* lse, float* deriv) {
-  const float inv_cap = softcap > 0.0f ? 1.0f / softcap : 0.0f;
-  const int64_t n_pad = RoundUp(n, kVec);
-  for (int64_t i = 0; i < m; ++i) {
-    float* si = s + i * lds;
-    const uint8_t* mi = mask != nullptr ? mask + i * ldm : nullptr;
-    // lse = -inf: no allowed key in the whole row; exp(x - inf) = 0 everywhere.
-    const float shift = lse[i] == kNegInf ? std::numeric_limits<float>::infinity() : lse[i];
-    for (int64_t j = 0; j < n; ++j) {
-      float x = Logit(si[j], scale, softcap, inv_cap);
-      if (softcap > 0.0f) {
-        const float t = x * inv_cap;
-        deriv[i * lds + j] = 1.0f - t * t;
+void ForwardTile(const TileArgs& t, float* row_max, float* row_sum, float* alpha) {
+  ScoresT(t);
+  SoftmaxColumns(t, row_max, row_sum, alpha);
+}
+
+void BackwardTile(const BackwardTileArgs& b) {
+  const TileArgs& t = b.t;
+  const float inv_cap = t.softcap > 0.0f ? 1.0f / t.softcap : 0.0f;
+  const int64_t mp = RoundUp(t.queries, kVec);
+  ScoresT(t);
+  GemmF32(t.keys, mp, b.dv, b.v, b.ldv, 1, b.dot, t.ldq, b.ds, t.ldp, nullptr, false);
+  for (int64_t j = 0; j < t.keys; ++j) {
+    for (int64_t i = 0; i < t.queries; ++i) {
+      const int64_t o = j * t.ldp + i;
+      const float x = Logit(t.pt[o], t.scale, t.softcap, inv_cap);
+      // lse = -inf: the query has no allowed key at all; its P is 0.
+      const float p = Allowed(t, j, i) && b.lse[i] != kNegInf ? std::exp(x - b.lse[i]) : 0.0f;
+      float ds = t.scale * p * (b.ds[o] - b.delta[i]);
+      if (t.softcap > 0.0f) {
+        const float c = x * inv_cap;
+        ds *= 1.0f - c * c;
       }
-      if (mi != nullptr && mi[j] == 0) x = kNegInf;
-      si[j] = std::exp(x - shift);
+      t.pt[o] = p;
+      b.ds[o] = ds;
     }
-    for (int64_t j = n; j < n_pad; ++j) si[j] = 0.0f;
-  }
-}
-
-void DsBackward(int64_t m, int64_t n, const float* p, float* dp, int64_t ld, const float* delta,
-                const float* deriv, float scale) {
-  const int64_t n_pad = RoundUp(n, kVec);
-  for (int64_t i = 0; i < m; ++i) {
-    const float* pi = p + i * ld;
-    float* di = dp + i * ld;
-    const float* ri = deriv != nullptr ? deriv + i * ld : nullptr;
-    for (int64_t j = 0; j < n; ++j) {
-      float ds = scale * pi[j] * (di[j] - delta[i]);
-      if (ri != nullptr) ds *= ri[j];
-      di[j] = ds;
-    }
-    for (int64_t j = n; j < n_pad; ++j) di[j] = 0.0f;
-  }
-}
-
-void ToBf16(int64_t m, int64_t n, const float* src, int64_t lds, uint16_t* dst, int64_t ldd) {
-  for (int64_t i = 0; i < m; ++i) {
-    for (int64_t j = 0; j < n; ++j) dst[i * ldd + j] = F32ToBF16(src[i * lds + j]);
-    if (n % 2 != 0) dst[i * ldd + n] = 0;
   }
 }
 
@@ -123,10 +111,9 @@ const MicroKernels& PortableMicroKernels() {
     MicroKernels t;
     t.name = "portable";
     t.gemm_f32 = GemmF32;
-    t.softmax_forward = SoftmaxForward;
-    t.probs_backward = ProbsBackward;
-    t.ds_backward = DsBackward;
-    t.to_bf16 = ToBf16;
+    t.softmax_columns = SoftmaxColumns;
+    t.forward_tile = ForwardTile;
+    t.backward_tile = BackwardTile;
     return t;
   }();
   return table;

@@ -1,0 +1,385 @@
+// Google Benchmark micro-benchmarks of the flash kernels: the micro-kernels
+// (QK^T and PV products, online softmax, probabilities, packing) on one tile,
+// and the whole single-head FlashForward / FlashBackward loops on one thread.
+//
+// Every benchmark reports a FLOPS counter (rate over CPU time of the timing
+// thread, which stays meaningful on a loaded machine) with the same FLOP
+// conventions as `ringsplash bench`: a product of m x k by k x n is 2 m n k;
+// softmax and packing report elements per second instead.
+//
+//   build/bench/ringsplash_micro_bench --benchmark_filter=Gemm
+//   build/bench/ringsplash_micro_bench --benchmark_repetitions=5
+//       --benchmark_report_aggregates_only=true    (one command line)
+//
+// Paths the CPU lacks are skipped with an error message, never run.
+#include <benchmark/benchmark.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <random>
+#include <vector>
+
+#include "ringsplash/attention.h"
+#include "ringsplash/mask.h"
+#include "ringsplash/tensor.h"
+#include "src/kernels/cpu_features.h"
+#include "src/kernels/flash.h"
+#include "src/kernels/micro.h"
+#include "src/kernels/thread_pool.h"
+#include "src/kernels/tile_pack.h"
+
+namespace ringsplash::bench {
+namespace {
+
+using kernels::AlignedBuffer;
+using kernels::micro::MicroKernels;
+using kernels::micro::PaddedLd;
+using kernels::micro::RoundUp;
+
+constexpr KernelPath kPaths[] = {KernelPath::kPortable, KernelPath::kAvx512,
+                                 KernelPath::kAvx512Bf16};
+
+bool Supported(KernelPath path) {
+  const std::vector<KernelPath> all = SupportedKernelPaths();
+  return std::find(all.begin(), all.end(), path) != all.end();
+}
+
+// Fills with uniform values in [-1, 1) (seeded: every run sees the same data).
+template <typename T, typename Convert>
+void Fill(T* data, size_t n, uint32_t seed, Convert convert) {
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
+  for (size_t i = 0; i < n; ++i) data[i] = convert(dist(rng));
+}
+void FillF32(float* data, size_t n, uint32_t seed) {
+  Fill(data, n, seed, [](float x) { return x; });
+}
+void FillBf16(uint16_t* data, size_t n, uint32_t seed) {
+  Fill(data, n, seed, [](float x) { return F32ToBF16(x); });
+}
+
+// Looks up the table of a path, or marks the benchmark skipped.
+const MicroKernels* KernelsOr(benchmark::State& state, KernelPath path) {
+  if (!Supported(path)) {
+    state.SkipWithError("kernel path not supported on this CPU");
+    return nullptr;
+  }
+  return &kernels::micro::MicroKernelsFor(path);
+}
+
+void SetFlops(benchmark::State& state, double flops_per_iteration) {
+  state.counters["FLOPS"] =
+      benchmark::Counter(flops_per_iteration, benchmark::Counter::kIsIterationInvariantRate);
+}
+
+// A transposed tile as the flash loops see it (micro.h TileArgs): bkv keys,
+// bq queries, head dim d, with random operands and per-query state.
+struct Tile {
+  int64_t keys, queries, d, ld;
+  AlignedBuffer<float> k, qt, v, dot, pt, ds, scratch, row_max, row_sum, alpha, lse, delta, acc;
+  Tile(int64_t bkv, int64_t bq, int64_t dim)
+      : keys(bkv),
+        queries(bq),
+        d(dim),
+        ld(PaddedLd(bq)),
+        k(bkv * dim),
+        qt(dim * PaddedLd(bq)),
+        v(bkv * dim),
+        dot(dim * PaddedLd(bq)),
+        pt(bkv * PaddedLd(bq)),
+        ds(bkv * PaddedLd(bq)),
+        scratch(2 * PaddedLd(bq)),
+        row_max(PaddedLd(bq)),
+        row_sum(PaddedLd(bq)),
+        alpha(PaddedLd(bq)),
+        lse(PaddedLd(bq)),
+        delta(PaddedLd(bq)),
+        acc(bq * PaddedLd(dim)) {
+    FillF32(k.data(), k.size(), 1);
+    FillF32(qt.data(), qt.size(), 2);
+    FillF32(v.data(), v.size(), 3);
+    FillF32(dot.data(), dot.size(), 4);
+    for (int64_t i = 0; i < bq; ++i) {
+      lse[i] = 3.0f;
+      delta[i] = 0.1f;
+    }
+  }
+  kernels::micro::TileArgs Args(float scale) {
+    kernels::micro::TileArgs t;
+    t.keys = keys;
+    t.queries = queries;
+    t.d = d;
+    t.k = k.data();
+    t.ldk = d;
+    t.qt = qt.data();
+    t.ldq = ld;
+    t.pt = pt.data();
+    t.ldp = ld;
+    t.scale = scale;
+    t.scratch = scratch.data();
+    return t;
+  }
+  // A state whose maxima are the tile's own (what a query has after its
+  // first tile), so the forward takes its steady-state (lazy) step.
+  void SteadyState(const MicroKernels& mk, float scale) {
+    for (int64_t i = 0; i < queries; ++i) {
+      row_max[i] = -std::numeric_limits<float>::infinity();
+      row_sum[i] = 0.0f;
+    }
+    mk.forward_tile(Args(scale), row_max.data(), row_sum.data(), alpha.data());
+  }
+};
+
+// Args of the tile benchmarks: path, bq (queries), bkv (keys), d.
+void TileArgsOf(benchmark::internal::Benchmark* b) {
+  for (KernelPath path : kPaths) {
+    for (int64_t d : {64, 128}) b->Args({static_cast<int64_t>(path), 64, 128, d});
+  }
+  b->ArgNames({"path", "bq", "bkv", "d"});
+}
+
+// S^T = K Q^T of one tile, plain (the product inside every forward tile).
+void BM_GemmScores(benchmark::State& state) {
+  const auto path = static_cast<KernelPath>(state.range(0));
+  const MicroKernels* mk = KernelsOr(state, path);
+  if (mk == nullptr) return;
+  Tile tile(state.range(2), state.range(1), state.range(3));
+  for (auto _ : state) {
+    mk->gemm_f32(tile.keys, RoundUp(tile.queries, 16), tile.d, tile.k.data(), tile.d, 1,
+                 tile.qt.data(), tile.ld, tile.pt.data(), tile.ld, nullptr, false);
+    benchmark::ClobberMemory();
+  }
+  SetFlops(state, 2.0 * tile.keys * tile.queries * tile.d);
+}
+
+// acc = diag(alpha) acc + P V with P read from P^T (column-major A).
+void BM_GemmPV(benchmark::State& state) {
+  const auto path = static_cast<KernelPath>(state.range(0));
+  const MicroKernels* mk = KernelsOr(state, path);
+  if (mk == nullptr) return;
+  Tile tile(state.range(2), state.range(1), state.range(3));
+  FillF32(tile.pt.data(), tile.pt.size(), 5);
+  for (int64_t i = 0; i < tile.queries; ++i) tile.alpha[i] = 1.0f;
+  // V rows as the loops pack them (PaddedLd: no L1 set aliasing).
+  const int64_t ldacc = PaddedLd(tile.d);
+  AlignedBuffer<float> v(tile.keys * ldacc);
+  FillF32(v.data(), v.size(), 6);
+  for (auto _ : state) {
+    mk->gemm_f32(tile.queries, RoundUp(tile.d, 16), tile.keys, tile.pt.data(), 1, tile.ld, v.data(),
+                 ldacc, tile.acc.data(), ldacc, tile.alpha.data(), true);
+    benchmark::ClobberMemory();
+  }
+  SetFlops(state, 2.0 * tile.keys * tile.queries * tile.d);
+}
+
+// The fused forward tile (scores + lazy online softmax), steady state.
+void BM_ForwardTile(benchmark::State& state) {
+  const auto path = static_cast<KernelPath>(state.range(0));
+  const MicroKernels* mk = KernelsOr(state, path);
+  if (mk == nullptr) return;
+  Tile tile(state.range(2), state.range(1), state.range(3));
+  const float scale = 1.0f / std::sqrt(static_cast<float>(tile.d));
+  tile.SteadyState(*mk, scale);
+  const kernels::micro::TileArgs t = tile.Args(scale);
+  for (auto _ : state) {
+    mk->forward_tile(t, tile.row_max.data(), tile.row_sum.data(), tile.alpha.data());
+    benchmark::ClobberMemory();
+  }
+  SetFlops(state, 2.0 * tile.keys * tile.queries * tile.d);
+}
+
+// The exact two-pass softmax step alone (in place on raw products).
+void BM_SoftmaxColumns(benchmark::State& state) {
+  const auto path = static_cast<KernelPath>(state.range(0));
+  const MicroKernels* mk = KernelsOr(state, path);
+  if (mk == nullptr) return;
+  Tile tile(state.range(2), state.range(1), state.range(3));
+  const kernels::micro::TileArgs t = tile.Args(0.088f);
+  AlignedBuffer<float> raw(tile.pt.size());
+  FillF32(raw.data(), raw.size(), 6);
+  for (auto _ : state) {
+    state.PauseTiming();
+    std::copy(raw.data(), raw.data() + raw.size(), tile.pt.data());
+    for (int64_t i = 0; i < tile.queries; ++i) {
+      tile.row_max[i] = 0.5f;
+      tile.row_sum[i] = 1.0f;
+    }
+    state.ResumeTiming();
+    mk->softmax_columns(t, tile.row_max.data(), tile.row_sum.data(), tile.alpha.data());
+    benchmark::ClobberMemory();
+  }
+  state.counters["elements"] = benchmark::Counter(static_cast<double>(tile.keys * tile.queries),
+                                                  benchmark::Counter::kIsIterationInvariantRate);
+}
+
+// The fused backward tile: P^T from K Q^T and dS^T from V dO^T (two products).
+void BM_BackwardTile(benchmark::State& state) {
+  const auto path = static_cast<KernelPath>(state.range(0));
+  const MicroKernels* mk = KernelsOr(state, path);
+  if (mk == nullptr) return;
+  Tile tile(state.range(2), state.range(1), state.range(3));
+  kernels::micro::BackwardTileArgs b;
+  b.t = tile.Args(1.0f / std::sqrt(static_cast<float>(tile.d)));
+  b.dv = tile.d;
+  b.v = tile.v.data();
+  b.ldv = tile.d;
+  b.dot = tile.dot.data();
+  b.lse = tile.lse.data();
+  b.delta = tile.delta.data();
+  b.ds = tile.ds.data();
+  for (auto _ : state) {
+    mk->backward_tile(b);
+    benchmark::ClobberMemory();
+  }
+  SetFlops(state, 2.0 * 2.0 * tile.keys * tile.queries * tile.d);
+}
+
+// The bf16 product (vdpbf16ps) S^T = K Q^T on the same shapes. Args: bq, bkv, d.
+void BM_GemmBf16Scores(benchmark::State& state) {
+  const int64_t m = state.range(0), n = state.range(1), d = state.range(2);
+  const MicroKernels* mk = KernelsOr(state, KernelPath::kAvx512Bf16);
+  if (mk == nullptr) return;
+  const int64_t ld = PaddedLd(m), d2 = RoundUp(d, 2);
+  AlignedBuffer<uint16_t> k(n * d2), qt(d2 * ld);
+  AlignedBuffer<float> s(n * ld);
+  FillBf16(k.data(), k.size(), 1);
+  FillBf16(qt.data(), qt.size(), 2);
+  for (auto _ : state) {
+    mk->gemm_bf16(n, RoundUp(m, 16), d2 / 2, k.data(), d2, qt.data(), ld, s.data(), ld, nullptr,
+                  false);
+    benchmark::ClobberMemory();
+  }
+  SetFlops(state, 2.0 * m * n * d);
+}
+
+// Packing of one Q block as Q^T (f32), once per forward task. Args: bq, D.
+void BM_PackTransposedF32(benchmark::State& state) {
+  const int64_t n = state.range(0), d = state.range(1);
+  Tensor k(DType::kF32, {1, n, 1, d});
+  FillF32(k.data_as<float>(), static_cast<size_t>(n * d), 6);
+  const TensorView view = k.view();
+  const int64_t ld = PaddedLd(n);
+  AlignedBuffer<float> dst(d * ld);
+  for (auto _ : state) {
+    kernels::PackTransposedF32(kernels::Slab{&view, 0, 0, 0, n, d}, dst.data(), ld);
+    benchmark::ClobberMemory();
+  }
+  state.counters["elements"] =
+      benchmark::Counter(static_cast<double>(n * d), benchmark::Counter::kIsIterationInvariantRate);
+}
+
+// Packing of one V tile, row-major f32 (args: bkv, Dv) from f32 or bf16 input.
+void BM_PackRowsF32(benchmark::State& state) {
+  const int64_t n = state.range(0), dv = state.range(1);
+  const DType dtype = state.range(2) != 0 ? DType::kBF16 : DType::kF32;
+  Tensor v(dtype, {1, n, 1, dv});
+  if (dtype == DType::kF32) {
+    FillF32(v.data_as<float>(), static_cast<size_t>(n * dv), 7);
+  } else {
+    FillBf16(v.data_as<uint16_t>(), static_cast<size_t>(n * dv), 7);
+  }
+  const TensorView view = v.view();
+  const int64_t ld = PaddedLd(dv);
+  AlignedBuffer<float> dst(n * ld);
+  for (auto _ : state) {
+    kernels::PackRowsF32(kernels::Slab{&view, 0, 0, 0, n, dv}, dst.data(), ld, n);
+    benchmark::ClobberMemory();
+  }
+  state.counters["elements"] = benchmark::Counter(static_cast<double>(n * dv),
+                                                  benchmark::Counter::kIsIterationInvariantRate);
+}
+
+// A whole single-device forward or backward on one thread: B = 1, H = 1,
+// S x S full (or causal) attention. Args: path, S, D, dtype (0 f32, 1 bf16),
+// causal (0/1), backward (0/1), block q, block kv.
+void BM_Flash(benchmark::State& state) {
+  const auto path = static_cast<KernelPath>(state.range(0));
+  const int64_t s = state.range(1), d = state.range(2);
+  const DType dtype = state.range(3) != 0 ? DType::kBF16 : DType::kF32;
+  const bool causal = state.range(4) != 0, backward = state.range(5) != 0;
+  const BlockSizes blocks{state.range(6), state.range(7)};
+  if (!Supported(path)) {
+    state.SkipWithError("kernel path not supported on this CPU");
+    return;
+  }
+  Tensor q(dtype, {1, s, 1, d}), k(dtype, {1, s, 1, d}), v(dtype, {1, s, 1, d});
+  Tensor dout(dtype, {1, s, 1, d});
+  for (Tensor* t : {&q, &k, &v, &dout}) {
+    const auto n = static_cast<size_t>(t->numel());
+    if (dtype == DType::kF32) {
+      FillF32(t->data_as<float>(), n, static_cast<uint32_t>(n));
+    } else {
+      FillBf16(t->data_as<uint16_t>(), n, static_cast<uint32_t>(n));
+    }
+  }
+  const Mask mask = causal ? Mask::Causal() : Mask::Full();
+  kernels::FlashParams p;
+  p.q = q.view();
+  p.k = k.view();
+  p.v = v.view();
+  p.mask = &mask;
+  p.scale = 1.0f / std::sqrt(static_cast<float>(d));
+  p.path = path;
+  p.blocks = blocks;
+  kernels::ThreadPool pool(1);
+  std::vector<float> out(static_cast<size_t>(s * d)), lse(static_cast<size_t>(s));
+  std::vector<float> delta(static_cast<size_t>(s), 0.1f);
+  std::vector<float> dq(out.size()), dk(out.size()), dv(out.size());
+  kernels::FlashForward(p, pool, out.data(), lse.data(), nullptr);
+  KernelStats stats;
+  for (auto _ : state) {
+    stats = KernelStats();
+    if (backward) {
+      kernels::FlashBackward(p, pool, dout.view(), lse.data(), delta.data(), dq.data(), dk.data(),
+                             dv.data(), &stats);
+    } else {
+      kernels::FlashForward(p, pool, out.data(), lse.data(), &stats);
+    }
+    benchmark::ClobberMemory();
+  }
+  // Useful FLOPs as `ringsplash bench` counts them: forward 4 D pairs,
+  // backward 2.5 x that; the causal diagonal counts S (S + 1) / 2 pairs.
+  const double pairs = causal ? 0.5 * static_cast<double>(s) * static_cast<double>(s + 1)
+                              : static_cast<double>(s) * static_cast<double>(s);
+  SetFlops(state, (backward ? 2.5 : 1.0) * 2.0 * 2.0 * static_cast<double>(d) * pairs);
+  state.counters["kernel_FLOPS"] =
+      benchmark::Counter(stats.flops, benchmark::Counter::kIsIterationInvariantRate);
+}
+
+void FlashArgs(benchmark::internal::Benchmark* b) {
+  const auto avx = static_cast<int64_t>(KernelPath::kAvx512);
+  const auto bf = static_cast<int64_t>(KernelPath::kAvx512Bf16);
+  const BlockSizes def;
+  for (int64_t bwd : {0, 1}) {
+    b->Args({avx, 2048, 128, 0, 0, bwd, def.q, def.kv});
+    b->Args({avx, 2048, 64, 0, 0, bwd, def.q, def.kv});
+    b->Args({avx, 2048, 128, 0, 1, bwd, def.q, def.kv});
+    b->Args({avx, 2048, 128, 1, 0, bwd, def.q, def.kv});
+    b->Args({bf, 2048, 128, 1, 0, bwd, def.q, def.kv});
+  }
+  // Tile-size sweep of the f32 forward and backward.
+  for (int64_t bwd : {0, 1}) {
+    for (int64_t bq : {32, 64, 128, 192}) {
+      for (int64_t bkv : {64, 128, 256}) b->Args({avx, 4096, 128, 0, 0, bwd, bq, bkv});
+    }
+  }
+  b->ArgNames({"path", "S", "D", "bf16", "causal", "bwd", "bq", "bkv"});
+  b->Unit(benchmark::kMillisecond);
+}
+
+BENCHMARK(BM_GemmScores)->Apply(TileArgsOf);
+BENCHMARK(BM_GemmPV)->Apply(TileArgsOf);
+BENCHMARK(BM_ForwardTile)->Apply(TileArgsOf);
+BENCHMARK(BM_SoftmaxColumns)->Apply(TileArgsOf);
+BENCHMARK(BM_BackwardTile)->Apply(TileArgsOf);
+BENCHMARK(BM_GemmBf16Scores)->Args({64, 128, 128})->Args({64, 128, 64});
+BENCHMARK(BM_PackTransposedF32)->Args({64, 128})->Args({64, 64});
+BENCHMARK(BM_PackRowsF32)->Args({128, 128, 0})->Args({128, 128, 1});
+BENCHMARK(BM_Flash)->Apply(FlashArgs);
+
+}  // namespace
+}  // namespace ringsplash::bench
+
+BENCHMARK_MAIN();
