@@ -54,7 +54,19 @@ void RunThreadRanks(int num_ranks, const CommOptions& options,
 // True when this build has the MPI backend.
 bool MpiAvailable();
 // The MPI backend over MPI_COMM_WORLD (initialises MPI on first use and
-// finalises at exit). Throws Error if MPI is not built in.
+// finalises at exit). Throws Error if MPI is not built in, or cannot be
+// initialised: MPI_Init_thread fails or grants less than
+// MPI_THREAD_FUNNELED, or the application initialised MPI itself without
+// MPI_THREAD_MULTIPLE.
+//
+// Failures of the MPI backend are final for the life of the process (MPI
+// cannot be initialised twice, and a failed peer's messages cannot be
+// unsent): after an initialisation failure every later call throws the same
+// Error; after Abort() on any rank, a peer failure or a timeout, every later
+// StartShift/Wait/AllReduceSum/Barrier of every MPI communicator of this
+// process throws, including communicators made afterwards. Recover by
+// starting a new job. (The threads backend starts afresh with each
+// RunThreadRanks.)
 std::unique_ptr<Communicator> MakeMpiCommunicator(const CommOptions& options);
 
 }  // namespace ringsplash

@@ -4,12 +4,13 @@
 // MPI calls, so a transfer posted before a long kernel call would otherwise
 // sit still until Wait. A per-process progress thread therefore owns MPI: it
 // initialises it (MPI_THREAD_FUNNELED suffices, as no other thread calls
-// MPI), posts the Isend/Irecv of each shift, polls MPI_Test on everything in
-// flight every RINGSPLASH_MPI_POLL_US microseconds (default 50) and finalises
-// at exit. The compute threads only queue commands and block on a condition
-// variable. RINGSPLASH_MPI_PROGRESS=wait restricts polling of transfers to
-// while some Wait is blocked — the "no progress thread" baseline the overlap
-// test measures against.
+// MPI; an MPI that grants less is refused with an Error), posts the
+// Isend/Irecv of each shift, polls MPI_Test on everything in flight every
+// RINGSPLASH_MPI_POLL_US microseconds (default 50) and finalises at exit. The
+// compute threads only queue commands and block on a condition variable.
+// RINGSPLASH_MPI_PROGRESS=wait restricts polling of transfers to while some
+// Wait is blocked — the "no progress thread" baseline the overlap test
+// measures against.
 //
 // Failure. A rank that fails calls Abort(): it sends its reason to every peer
 // on a separate tag (non-blocking). Every process keeps a receive posted on
@@ -66,6 +67,14 @@ std::string MpiErrorText(int code) {
   int len = 0;
   if (MPI_Error_string(code, text, &len) != MPI_SUCCESS) return "MPI error " + std::to_string(code);
   return std::string(text, static_cast<size_t>(len));
+}
+
+std::string ThreadLevelName(int level) {
+  if (level == MPI_THREAD_SINGLE) return "MPI_THREAD_SINGLE";
+  if (level == MPI_THREAD_FUNNELED) return "MPI_THREAD_FUNNELED";
+  if (level == MPI_THREAD_SERIALIZED) return "MPI_THREAD_SERIALIZED";
+  if (level == MPI_THREAD_MULTIPLE) return "MPI_THREAD_MULTIPLE";
+  return std::to_string(level);
 }
 
 double EnvDouble(const char* name, double fallback) {
@@ -307,15 +316,26 @@ class Runtime {
       // The application owns MPI; it may call MPI from its own threads too.
       MPI_Query_thread(&provided);
       if (provided != MPI_THREAD_MULTIPLE) {
-        *error =
-            "MPI was initialised by the application without MPI_THREAD_MULTIPLE; the mpi "
-            "backend's progress thread needs it (or let ringsplash initialise MPI)";
+        *error = "MPI was initialised by the application with " + ThreadLevelName(provided) +
+                 ", not MPI_THREAD_MULTIPLE; the mpi backend's progress thread needs it (or let "
+                 "ringsplash initialise MPI)";
         return false;
       }
     } else {
       const int rc = MPI_Init_thread(nullptr, nullptr, MPI_THREAD_FUNNELED, &provided);
       if (rc != MPI_SUCCESS) {
         *error = "MPI_Init_thread failed: " + MpiErrorText(rc);
+        return false;
+      }
+      // The levels are ordered (SINGLE < FUNNELED < SERIALIZED < MULTIPLE).
+      // Below FUNNELED this MPI may not be called from the progress thread
+      // while the compute threads run: refuse rather than risk corruption.
+      if (provided < MPI_THREAD_FUNNELED) {
+        *error = "MPI_Init_thread granted thread level " + ThreadLevelName(provided) +
+                 ", but the mpi backend needs at least MPI_THREAD_FUNNELED (its progress thread "
+                 "calls MPI while other threads run); use an MPI library built with thread "
+                 "support";
+        MPI_Finalize();  // ours, and nothing else was set up: leave MPI cleanly
         return false;
       }
       owns_mpi_ = true;
