@@ -284,7 +284,8 @@ CLI::App* AddAttendCommand(CLI::App& app, AttendArgs& a) {
   cmd->add_option_function<double>(
          "--scale", [&a](const double& s) { a.scale = s; }, "score scale (default 1/sqrt(D))")
       ->type_name("S");
-  cmd->add_option("--sinks", a.sinks, "attention sink logits [H], float32")->type_name("FILE");
+  cmd->add_option("--sinks", a.sinks, "attention sink logits [H], float32 or float16")
+      ->type_name("FILE");
   cmd->add_option("--q-segments", a.q_segments, "segment ids [B, Sq], int32")->type_name("FILE");
   cmd->add_option("--kv-segments", a.kv_segments, "segment ids [B, Skv], int32")->type_name("FILE");
   cmd->add_option("--dout", a.dout, "gradient of out [B, Sq, H, Dv]: runs the backward pass")
