@@ -90,7 +90,7 @@ struct Tile {
         dot(dim * PaddedLd(bq)),
         pt(bkv * PaddedLd(bq)),
         ds(bkv * PaddedLd(bq)),
-        scratch(2 * PaddedLd(bq)),
+        scratch(3 * PaddedLd(bq)),
         row_max(PaddedLd(bq)),
         row_sum(PaddedLd(bq)),
         alpha(PaddedLd(bq)),
@@ -292,13 +292,15 @@ void BM_PackRowsF32(benchmark::State& state) {
 }
 
 // A whole single-device forward or backward on one thread: B = 1, H = 1,
-// S x S full (or causal) attention. Args: path, S, D, dtype (0 f32, 1 bf16),
-// causal (0/1), backward (0/1), block q, block kv.
+// S x S attention. Args: path, S, D, dtype (0 f32, 1 bf16), mask (0 full,
+// 1 causal, 2 sliding window causal&local:512,0), backward (0/1), block q,
+// block kv.
 void BM_Flash(benchmark::State& state) {
   const auto path = static_cast<KernelPath>(state.range(0));
   const int64_t s = state.range(1), d = state.range(2);
   const DType dtype = state.range(3) != 0 ? DType::kBF16 : DType::kF32;
-  const bool causal = state.range(4) != 0, backward = state.range(5) != 0;
+  const int64_t mask_kind = state.range(4);
+  const bool backward = state.range(5) != 0;
   const BlockSizes blocks{state.range(6), state.range(7)};
   if (!Supported(path)) {
     state.SkipWithError("kernel path not supported on this CPU");
@@ -314,7 +316,9 @@ void BM_Flash(benchmark::State& state) {
       FillBf16(t->data_as<uint16_t>(), n, static_cast<uint32_t>(n));
     }
   }
-  const Mask mask = causal ? Mask::Causal() : Mask::Full();
+  const Mask mask = mask_kind == 0   ? Mask::Full()
+                    : mask_kind == 1 ? Mask::Causal()
+                                     : Mask::Causal() & Mask::Local(512, 0);
   kernels::FlashParams p;
   p.q = q.view();
   p.k = k.view();
@@ -340,9 +344,12 @@ void BM_Flash(benchmark::State& state) {
     benchmark::ClobberMemory();
   }
   // Useful FLOPs as `ringsplash bench` counts them: forward 4 D pairs,
-  // backward 2.5 x that; the causal diagonal counts S (S + 1) / 2 pairs.
-  const double pairs = causal ? 0.5 * static_cast<double>(s) * static_cast<double>(s + 1)
-                              : static_cast<double>(s) * static_cast<double>(s);
+  // backward 2.5 x that; causal counts S (S + 1) / 2 pairs, the window
+  // min(i, 512) + 1 for row i.
+  const auto sd = static_cast<double>(s);
+  const double pairs = mask_kind == 0   ? sd * sd
+                       : mask_kind == 1 ? 0.5 * sd * (sd + 1)
+                                        : sd * 513.0 - 0.5 * 512.0 * 513.0;
   SetFlops(state, (backward ? 2.5 : 1.0) * 2.0 * 2.0 * static_cast<double>(d) * pairs);
   state.counters["kernel_FLOPS"] =
       benchmark::Counter(stats.flops, benchmark::Counter::kIsIterationInvariantRate);
@@ -356,6 +363,7 @@ void FlashArgs(benchmark::internal::Benchmark* b) {
     b->Args({avx, 2048, 128, 0, 0, bwd, def.q, def.kv});
     b->Args({avx, 2048, 64, 0, 0, bwd, def.q, def.kv});
     b->Args({avx, 2048, 128, 0, 1, bwd, def.q, def.kv});
+    b->Args({avx, 8192, 128, 0, 2, bwd, def.q, def.kv});
     b->Args({avx, 2048, 128, 1, 0, bwd, def.q, def.kv});
     b->Args({bf, 2048, 128, 1, 0, bwd, def.q, def.kv});
   }
@@ -365,7 +373,7 @@ void FlashArgs(benchmark::internal::Benchmark* b) {
       for (int64_t bkv : {64, 128, 256}) b->Args({avx, 4096, 128, 0, 0, bwd, bq, bkv});
     }
   }
-  b->ArgNames({"path", "S", "D", "bf16", "causal", "bwd", "bq", "bkv"});
+  b->ArgNames({"path", "S", "D", "bf16", "mask", "bwd", "bq", "bkv"});
   b->Unit(benchmark::kMillisecond);
 }
 

@@ -309,13 +309,98 @@ TEST(MicroKernelTest, GemmBf16MatchesDoubleLoopsOnRoundedInputs) {
   }
 }
 
+TEST(MicroKernelTest, MaskBitsTransposesAndFindsRanges) {
+  Rng rng(5);
+  for (KernelPath path : SupportedKernelPaths()) {
+    const kernels::micro::MicroKernels& mk = kernels::micro::MicroKernelsFor(path);
+    for (int64_t queries : {1, 16, 37, 64}) {
+      for (int64_t keys : {1, 63, 64, 100, 128}) {
+        const int64_t ldb = 144, ldm = (queries + 15) / 16 + 1;
+        std::vector<uint8_t> bytes(static_cast<size_t>(queries * ldb), 7);  // 7: outside
+        // Rows of every kind: empty, one key, a band, random.
+        for (int64_t i = 0; i < queries; ++i) {
+          for (int64_t j = 0; j < keys; ++j) {
+            const int kind = static_cast<int>(i % 4);
+            bytes[i * ldb + j] = kind == 0   ? 0
+                                 : kind == 1 ? j == (i * 7) % keys
+                                 : kind == 2 ? (j >= i / 2 && j < i / 2 + 20)
+                                             : (rng() % 2) * 3;
+          }
+        }
+        std::vector<uint16_t> bits(static_cast<size_t>(keys * ldm), 0xAAAA);
+        std::vector<int32_t> klo(queries, -1), khi(queries, -1), qlo(keys, -1), qhi(keys, -1);
+        mk.mask_bits(queries, keys, bytes.data(), ldb, bits.data(), ldm, klo.data(), khi.data(),
+                     qlo.data(), qhi.data());
+        for (int64_t j = 0; j < keys; ++j) {
+          int64_t lo = -1, hi = 0;
+          for (int64_t i = 0; i < ldm * 16; ++i) {
+            const bool allowed = i < queries && bytes[i * ldb + j] != 0;
+            ASSERT_EQ(kernels::micro::Allowed(bits.data(), ldm, j, i), allowed)
+                << KernelPathName(path) << " q" << queries << " k" << keys << " j" << j;
+            if (allowed && lo < 0) lo = i;
+            if (allowed) hi = i + 1;
+          }
+          EXPECT_EQ(qlo[j], lo < 0 ? 0 : lo);
+          EXPECT_EQ(qhi[j], hi);
+        }
+        for (int64_t i = 0; i < queries; ++i) {
+          int64_t lo = -1, hi = 0;
+          for (int64_t j = 0; j < keys; ++j) {
+            if (bytes[i * ldb + j] != 0 && lo < 0) lo = j;
+            if (bytes[i * ldb + j] != 0) hi = j + 1;
+          }
+          EXPECT_EQ(klo[i], lo < 0 ? 0 : lo);
+          EXPECT_EQ(khi[i], hi);
+        }
+      }
+    }
+  }
+}
+
+TEST(MicroKernelTest, GemmF32RangesSkipsOnlyZeroTerms) {
+  // A is zero outside each row's range; the ranged product must equal the
+  // full one (the same terms in the same order, minus exact zeros). Finite
+  // garbage outside the ranges of B rows that no row needs must not matter.
+  Rng rng(6);
+  for (KernelPath path : SupportedKernelPaths()) {
+    const kernels::micro::MicroKernels& mk = kernels::micro::MicroKernelsFor(path);
+    for (int64_t m : {1, 6, 13, 64}) {
+      for (int64_t n : {16, 64, 80}) {
+        const int64_t k = 100, lda = k + 4, ldb = n + 16, ldc = n + 16;
+        std::vector<float> a(static_cast<size_t>(m * lda), 0.0f);
+        std::vector<int32_t> lo(m), hi(m);
+        for (int64_t i = 0; i < m; ++i) {
+          lo[i] = static_cast<int32_t>((i * 13) % 60);
+          hi[i] = i % 5 == 0 ? lo[i] : static_cast<int32_t>(lo[i] + 1 + (i * 7) % 40);
+          for (int64_t p = lo[i]; p < hi[i]; ++p) a[i * lda + p] = RandomFloats(rng, 1)[0];
+        }
+        const std::vector<float> b = RandomFloats(rng, static_cast<size_t>(k * ldb));
+        const std::vector<float> c0 = RandomFloats(rng, static_cast<size_t>(m * ldc));
+        const std::vector<float> rs = RandomFloats(rng, static_cast<size_t>(m));
+        for (int mode = 0; mode < 3; ++mode) {
+          std::vector<float> full = c0, ranged = c0;
+          const float* scale = mode == 2 ? rs.data() : nullptr;
+          mk.gemm_f32(m, n, k, a.data(), lda, 1, b.data(), ldb, full.data(), ldc, scale, mode != 0);
+          mk.gemm_f32_ranges(m, n, k, a.data(), lda, 1, b.data(), ldb, ranged.data(), ldc, scale,
+                             mode != 0, kernels::micro::KRanges{lo.data(), hi.data()});
+          for (size_t o = 0; o < full.size(); ++o) {
+            // x + 0 == x exactly, so skipping zero terms changes nothing.
+            ASSERT_EQ(full[o], ranged[o]) << KernelPathName(path) << " m" << m << " n" << n;
+          }
+        }
+      }
+    }
+  }
+}
+
 // A random transposed tile (micro.h TileArgs): keys x queries, D = 40, with
 // a mask that allows about 2/3 of the pairs and masks query 3 entirely.
 struct RandomTile {
   static constexpr int64_t kKeys = 19, kQueries = 37, kD = 40, kDv = 24;
   static constexpr int64_t kMp = 48, kLd = 64;  // mp = RoundUp(37, 16); leading dims >= mp
   std::vector<float> k, qt, v, dot, pt, ds, deriv, scratch;
-  std::vector<uint8_t> mask;
+  std::vector<uint8_t> mask;   // transposed bytes: mask[j * kLd + i]
+  std::vector<uint16_t> bits;  // the same as the kernels take it (micro::Allowed)
   float scale = 0.125f;
 
   explicit RandomTile(Rng& rng, float spread)
@@ -326,8 +411,9 @@ struct RandomTile {
         pt(static_cast<size_t>(kKeys * kLd), -9.0f),
         ds(static_cast<size_t>(kKeys * kLd), -9.0f),
         deriv(static_cast<size_t>(kKeys * kLd), 0.0f),
-        scratch(static_cast<size_t>(2 * kMp) + 64),
-        mask(static_cast<size_t>(kKeys * kLd), 0) {
+        scratch(static_cast<size_t>(3 * kMp) + 64),
+        mask(static_cast<size_t>(kKeys * kLd), 0),
+        bits(static_cast<size_t>(kKeys * kLd / 16), 0) {
     std::uniform_real_distribution<float> u(-spread, spread), w(-1, 1);
     for (int64_t p = 0; p < kD; ++p) {
       for (int64_t i = 0; i < kQueries; ++i) qt[p * kLd + i] = u(rng);
@@ -336,7 +422,10 @@ struct RandomTile {
       for (int64_t i = 0; i < kQueries; ++i) dot[c * kLd + i] = w(rng);
     }
     for (int64_t j = 0; j < kKeys; ++j) {
-      for (int64_t i = 0; i < kQueries; ++i) mask[j * kLd + i] = i != 3 && (rng() % 3) != 0;
+      for (int64_t i = 0; i < kQueries; ++i) {
+        mask[j * kLd + i] = i != 3 && (rng() % 3) != 0;
+        if (mask[j * kLd + i] != 0) bits[j * (kLd / 16) + i / 16] |= uint16_t(1u << (i % 16));
+      }
     }
   }
   // 64-byte aligned scratch, as the kernels require.
@@ -355,8 +444,8 @@ struct RandomTile {
     t.ldq = kLd;
     t.pt = pt.data();
     t.ldp = kLd;
-    t.mask = masked ? mask.data() : nullptr;
-    t.ldm = kLd;
+    t.mask = masked ? bits.data() : nullptr;
+    t.ldm = kLd / 16;
     t.scale = scale;
     t.softcap = softcap;
     t.scratch = AlignedScratch();

@@ -69,19 +69,19 @@ struct QSide {
 // Per-thread scratch of one tile.
 struct Workspace {
   AlignedBuffer<float> pt, ds, deriv, tile, dk, dv, dq;
-  AlignedBuffer<uint8_t> mask, mask_t;
+  TileMask mask;
+  bool masked = false;  // whether the tile in pt / ds has a mask (then `mask` holds it)
 
   static Workspace& ForThisThread(const Geometry& g, bool capped) {
     thread_local Workspace ws;
     Grow(ws.pt, g.bkv * g.ld_q);
     Grow(ws.ds, g.bkv * g.ld_q);
     if (capped) Grow(ws.deriv, g.bkv * g.ld_q);
-    Grow(ws.tile, 2 * g.ld_q);
+    Grow(ws.tile, 3 * g.ld_q);
     Grow(ws.dk, g.bkv * g.ld_d);
     Grow(ws.dv, g.bkv * g.ld_dv);
     Grow(ws.dq, g.bq * g.ld_d);
-    Grow(ws.mask, g.bq * g.ld_kv);
-    Grow(ws.mask_t, g.bkv * g.ld_q);
+    ws.mask.Reserve(g);
     return ws;
   }
 };
@@ -118,10 +118,11 @@ BlockKind TileProbs(const Context& c, BlockKind map_kind, int64_t b, int64_t h, 
   t.ldq = g.ld_q;
   t.pt = ws.pt.data();
   t.ldp = g.ld_q;
-  if (kind == BlockKind::kPartial) {
-    c.plan.FillMaskTransposed(map_kind, h, b, qb, kvb, ws.mask.data(), ws.mask_t.data());
-    t.mask = ws.mask_t.data();
-    t.ldm = g.ld_q;
+  ws.masked = kind == BlockKind::kPartial;
+  if (ws.masked) {
+    ws.mask.Fill(c.plan, c.mk, map_kind, h, b, qb, kvb);
+    t.mask = ws.mask.bits();
+    t.ldm = ws.mask.ldm();
   }
   t.scale = c.p.scale;
   t.softcap = c.p.softcap;

@@ -107,21 +107,23 @@ void TilePlan::FillMask(mask::BlockKind map_kind, int64_t head, int64_t b, int64
   }
 }
 
-void TilePlan::FillMaskTransposed(mask::BlockKind map_kind, int64_t head, int64_t b, int64_t qb,
-                                  int64_t kvb, uint8_t* tmp, uint8_t* out) const {
-  const int64_t m = g_.QRows(qb), n = g_.KvRows(kvb);
-  const int64_t mp = micro::RoundUp(m, micro::kVec);
-  FillMask(map_kind, head, b, qb, kvb, tmp, g_.ld_kv);
-  // 16 x 16 byte blocks: both sides stay within a few cache lines.
-  for (int64_t j0 = 0; j0 < n; j0 += 16) {
-    const int64_t j1 = std::min(n, j0 + 16);
-    for (int64_t i0 = 0; i0 < mp; i0 += 16) {
-      for (int64_t j = j0; j < j1; ++j) {
-        uint8_t* o = out + j * g_.ld_q + i0;
-        for (int64_t i = 0; i < 16; ++i) o[i] = i0 + i < m ? tmp[(i0 + i) * g_.ld_kv + j] : 0;
-      }
-    }
-  }
+void TileMask::Reserve(const Geometry& g) {
+  g_ = &g;
+  ldm_ = g.ld_q / micro::kVec;
+  Grow(bytes_, g.bq * g.ld_kv);
+  Grow(bits_, g.bkv * ldm_);
+  Grow(key_lo_, g.bq);
+  Grow(key_hi_, g.bq);
+  Grow(query_lo_, g.bkv);
+  Grow(query_hi_, g.bkv);
+}
+
+void TileMask::Fill(const TilePlan& plan, const micro::MicroKernels& mk, mask::BlockKind map_kind,
+                    int64_t head, int64_t b, int64_t qb, int64_t kvb) {
+  const Geometry& g = *g_;
+  plan.FillMask(map_kind, head, b, qb, kvb, bytes_.data(), g.ld_kv);
+  mk.mask_bits(g.QRows(qb), g.KvRows(kvb), bytes_.data(), g.ld_kv, bits_.data(), ldm_,
+               key_lo_.data(), key_hi_.data(), query_lo_.data(), query_hi_.data());
 }
 
 KvRows::KvRows(const FlashParams& p, const Geometry& g, KeyFormat keys, ThreadPool& pool) : g_(g) {

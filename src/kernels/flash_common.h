@@ -11,6 +11,7 @@
 #include "ringsplash/attention.h"
 #include "ringsplash/mask.h"
 #include "src/kernels/flash.h"
+#include "src/kernels/micro.h"
 #include "src/kernels/tile_pack.h"
 #include "src/mask/block_map.h"
 
@@ -43,11 +44,6 @@ class TilePlan {
   // out[i * ld + j] (i < rows of qb, j < rows of kvb) = 1 if allowed, else 0.
   void FillMask(mask::BlockKind map_kind, int64_t head, int64_t b, int64_t qb, int64_t kvb,
                 uint8_t* out, int64_t ld) const;
-  // The same mask transposed for the kernels' layout (micro.h TileArgs):
-  // out[j * ld_q + i] for j < rows of kvb, i < RoundUp(rows of qb, kVec)
-  // (0 beyond the q rows). `tmp` holds bq * ld_kv bytes of scratch.
-  void FillMaskTransposed(mask::BlockKind map_kind, int64_t head, int64_t b, int64_t qb,
-                          int64_t kvb, uint8_t* tmp, uint8_t* out) const;
 
  private:
   const Geometry& g_;
@@ -55,6 +51,28 @@ class TilePlan {
   bool has_segments_ = false;
   std::vector<int32_t> q_seg_, kv_seg_;                  // [B, Sq], [B, Skv] contiguous copies
   std::vector<mask::BlockRanges> q_ranges_, kv_ranges_;  // per batch
+};
+
+// The element mask of a partial tile in the micro-kernels' forms (micro.h):
+// transposed bits for the fused score kernels and, for the products, the
+// keys each query may see and the queries each key may be seen by.
+class TileMask {
+ public:
+  // Sizes the buffers for tiles of `g` (no allocation once large enough).
+  void Reserve(const Geometry& g);
+  void Fill(const TilePlan& plan, const micro::MicroKernels& mk, mask::BlockKind map_kind,
+            int64_t head, int64_t b, int64_t qb, int64_t kvb);
+  const uint16_t* bits() const { return bits_.data(); }
+  int64_t ldm() const { return ldm_; }
+  micro::KRanges keys_of_query() const { return {key_lo_.data(), key_hi_.data()}; }
+  micro::KRanges queries_of_key() const { return {query_lo_.data(), query_hi_.data()}; }
+
+ private:
+  const Geometry* g_ = nullptr;
+  int64_t ldm_ = 0;
+  AlignedBuffer<uint8_t> bytes_;
+  AlignedBuffer<uint16_t> bits_;
+  AlignedBuffer<int32_t> key_lo_, key_hi_, query_lo_, query_hi_;
 };
 
 // Where the flash loops read the K and V rows of kv tile (b, kv head, kvb):

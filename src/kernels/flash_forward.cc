@@ -45,7 +45,7 @@ bool UseBf16Scores(const FlashParams& p, const micro::MicroKernels& mk) {
 struct Workspace {
   AlignedBuffer<float> qt, pt, acc, row_max, row_sum, alpha, tile;
   AlignedBuffer<uint16_t> qt_bf16;
-  AlignedBuffer<uint8_t> mask, mask_t;
+  TileMask mask;
 
   static Workspace& ForThisThread(const Geometry& g, bool bf16) {
     thread_local Workspace ws;
@@ -57,9 +57,8 @@ struct Workspace {
     Grow(ws.row_max, g.ld_q);
     Grow(ws.row_sum, g.ld_q);
     Grow(ws.alpha, g.ld_q);
-    Grow(ws.tile, 2 * g.ld_q);
-    Grow(ws.mask, g.bq * g.ld_kv);
-    Grow(ws.mask_t, g.bkv * g.ld_q);
+    Grow(ws.tile, 3 * g.ld_q);
+    ws.mask.Reserve(g);
     return ws;
   }
 };
@@ -129,7 +128,6 @@ void FlashForward(const FlashParams& p, ThreadPool& pool, float* out, float* lse
     t.ldq = g.ld_q;
     t.pt = ws.pt.data();
     t.ldp = g.ld_q;
-    t.ldm = g.ld_q;
     t.scale = p.scale;
     t.softcap = p.softcap;
     t.scratch = ws.tile.data();
@@ -141,9 +139,12 @@ void FlashForward(const FlashParams& p, ThreadPool& pool, float* out, float* lse
         const int64_t n = g.KvRows(kvb);
         t.keys = n;
         t.mask = nullptr;
+        micro::KRanges keys;  // of each query: P V skips the keys it may not see
         if (kind == BlockKind::kPartial) {
-          plan.FillMaskTransposed(run.kind, h, b, qb, kvb, ws.mask.data(), ws.mask_t.data());
-          t.mask = ws.mask_t.data();
+          ws.mask.Fill(plan, mk, run.kind, h, b, qb, kvb);
+          t.mask = ws.mask.bits();
+          t.ldm = ws.mask.ldm();
+          keys = ws.mask.keys_of_query();
         }
         if (bf16) {
           mk.gemm_bf16(n, RoundUp(m, micro::kVec), d2 / 2, kv.KeysBf16(b, kh, kvb), d2,
@@ -154,8 +155,8 @@ void FlashForward(const FlashParams& p, ThreadPool& pool, float* out, float* lse
           t.ldk = kv.ldk();
           mk.forward_tile(t, ws.row_max.data(), ws.row_sum.data(), ws.alpha.data());
         }
-        mk.gemm_f32(m, g.dvp, n, t.pt, 1, t.ldp, kv.Values(b, kh, kvb), kv.ldv(), ws.acc.data(),
-                    g.ld_dv, ws.alpha.data(), true);
+        mk.gemm_f32_ranges(m, g.dvp, n, t.pt, 1, t.ldp, kv.Values(b, kh, kvb), kv.ldv(),
+                           ws.acc.data(), g.ld_dv, ws.alpha.data(), true, keys);
         ++computed;
         (kind == BlockKind::kFull ? st.full : st.partial) += 1;
         st.flops += 2 * m * n * (g.d + g.dv);

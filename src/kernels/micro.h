@@ -40,6 +40,20 @@ using GemmF32Fn = void (*)(int64_t m, int64_t n, int64_t k, const float* a, int6
                            int64_t a_cs, const float* b, int64_t ldb, float* c, int64_t ldc,
                            const float* row_scale, bool accumulate);
 
+// Per-row ranges of p for products whose A is zero outside them (masked
+// attention tiles): row i needs only p in [lo[i], hi[i]) (lo == hi: none).
+struct KRanges {
+  const int32_t* lo = nullptr;
+  const int32_t* hi = nullptr;
+};
+// GemmF32Fn where A(i, p) == 0 for p outside ranges[i]: the products may skip
+// those p (implementations take the union over a register block's rows). The
+// result equals the full product's (adding exact zeros) up to the sign of a
+// zero and except that 0 * inf = NaN terms are not formed.
+using GemmF32RangesFn = void (*)(int64_t m, int64_t n, int64_t k, const float* a, int64_t a_rs,
+                                 int64_t a_cs, const float* b, int64_t ldb, float* c, int64_t ldc,
+                                 const float* row_scale, bool accumulate, KRanges ranges);
+
 // As GemmF32Fn with bf16 operands (f32 accumulation): k2 pairs of p, A(i, p)
 // = a[i * lda + p] (lda even), B pair-interleaved with ldb columns.
 using GemmBf16Fn = void (*)(int64_t m, int64_t n, int64_t k2, const uint16_t* a, int64_t lda,
@@ -56,8 +70,9 @@ using GemmBf16Fn = void (*)(int64_t m, int64_t n, int64_t k2, const uint16_t* a,
 //
 // Common fields: `keys` rows j of the tile and `queries` lanes i; vectors span
 // mp = RoundUp(queries, kVec) lanes. Logits x_ji = scale * (K Q^T)_ji, then
-// with softcap > 0 x = softcap * tanh(x / softcap), then masked
-// (mask != nullptr && mask[j * ldm + i] == 0) to -inf.
+// with softcap > 0 x = softcap * tanh(x / softcap), then masked to -inf
+// unless Allowed(mask, ldm, j, i). Outputs over a register block in which
+// no pair is allowed may be written as zeros without computing anything.
 struct TileArgs {
   int64_t keys = 0, queries = 0, d = 0;
   const float* k = nullptr;  // K(j, p) = k[j * ldk + p], p < d
@@ -66,11 +81,26 @@ struct TileArgs {
   int64_t ldq = 0;
   float* pt = nullptr;  // P^T(j, i) = pt[j * ldp + i] (output), i < mp
   int64_t ldp = 0;
-  const uint8_t* mask = nullptr;  // transposed element mask, or nullptr (all allowed)
+  const uint16_t* mask = nullptr;  // transposed mask bits (MaskBitsFn), or nullptr: all allowed
   int64_t ldm = 0;
   float scale = 1.0f, softcap = 0.0f;
-  float* scratch = nullptr;  // 2 * mp floats of working space
+  float* scratch = nullptr;  // 3 * mp floats of working space, 64-byte aligned
 };
+
+// Transposed element mask of a tile as bits: key j allows query i iff bit
+// i % 16 of mask[j * ldm + i / 16] is set (ldm >= mp / 16 words per key).
+inline bool Allowed(const uint16_t* mask, int64_t ldm, int64_t j, int64_t i) {
+  return mask == nullptr || ((mask[j * ldm + i / kVec] >> (i % kVec)) & 1) != 0;
+}
+
+// From a row-major byte mask (bytes[i * ldb + j] != 0: query i may see key
+// j; i < queries, j < keys) makes the transposed bits (bits[j * ldm + g] for
+// g < ldm, zero for queries >= `queries`) and the ranges of the products:
+// per query the keys it may see, [key.lo[i], key.hi[i]), and per key the
+// queries that may see it, [query.lo[j], query.hi[j]) (lo == hi == 0: none).
+using MaskBitsFn = void (*)(int64_t queries, int64_t keys, const uint8_t* bytes, int64_t ldb,
+                            uint16_t* bits, int64_t ldm, int32_t* key_lo, int32_t* key_hi,
+                            int32_t* query_lo, int32_t* query_hi);
 
 // Forward, in place on P^T already holding the raw products (K Q^T)^T: the
 // EXACT online-softmax step of every query lane i < queries:
@@ -111,7 +141,9 @@ using BackwardTileFn = void (*)(const BackwardTileArgs& b);
 struct MicroKernels {
   const char* name = "";
   GemmF32Fn gemm_f32 = nullptr;
+  GemmF32RangesFn gemm_f32_ranges = nullptr;
   GemmBf16Fn gemm_bf16 = nullptr;  // only on the avx512_bf16 path
+  MaskBitsFn mask_bits = nullptr;
   SoftmaxColumnsFn softmax_columns = nullptr;
   ForwardTileFn forward_tile = nullptr;
   BackwardTileFn backward_tile = nullptr;

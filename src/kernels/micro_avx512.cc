@@ -20,6 +20,8 @@ const MicroKernels& Avx512MicroKernels() {
     MicroKernels t = PortableMicroKernels();
     t.name = "avx512";
     t.gemm_f32 = GemmF32Avx512;
+    t.gemm_f32_ranges = GemmF32RangesAvx512;
+    t.mask_bits = avx512::MaskBits;
     t.softmax_columns = avx512::SoftmaxColumns;
     t.forward_tile = avx512::ForwardTile;
     t.backward_tile = avx512::BackwardTile;

@@ -14,6 +14,7 @@
 
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <type_traits>
 
@@ -89,11 +90,31 @@ RINGSPLASH_INLINE void ForEachRowBlock(int64_t m, F&& f) {
   }
 }
 
-// The plain GEMM of micro.h (GemmF32Fn) for one layout of A.
+// The union [lo, hi) of the p ranges of rows [i0, i0 + rows) (empty rows
+// ignored; lo == hi == 0 when all are empty); [0, k) without ranges.
+inline void BlockRange(const KRanges& r, int64_t i0, int rows, int64_t k, int64_t* lo,
+                       int64_t* hi) {
+  if (r.lo == nullptr) {
+    *lo = 0;
+    *hi = k;
+    return;
+  }
+  int64_t l = k, h = 0;
+  for (int i = 0; i < rows; ++i) {
+    if (r.hi[i0 + i] > r.lo[i0 + i]) {
+      l = std::min<int64_t>(l, r.lo[i0 + i]);
+      h = std::max<int64_t>(h, r.hi[i0 + i]);
+    }
+  }
+  *lo = h > l ? l : 0;
+  *hi = h > l ? h : 0;
+}
+
+// The GEMMs of micro.h (GemmF32Fn, GemmF32RangesFn) for one layout of A.
 template <ALayout L>
 void GemmLayout(int64_t m, int64_t n, int64_t k, const float* a, int64_t a_rs, int64_t a_cs,
                 const float* b, int64_t ldb, float* c, int64_t ldc, const float* row_scale,
-                bool accumulate) {
+                bool accumulate, KRanges ranges) {
   // One column panel (NV vectors) at a time so its B panel (k x 16 NV) stays
   // in L1 while the row blocks stream A.
   auto panel = [&]<int MR, int NV>(int64_t j) {
@@ -112,7 +133,10 @@ void GemmLayout(int64_t m, int64_t n, int64_t k, const float* a, int64_t a_rs, i
           for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_setzero_ps();
         }
       }
-      MultiplyBlock<R, NV, L>(k, a + i0 * a_rs, a_rs, a_cs, b + j, ldb, acc);
+      int64_t lo, hi;
+      BlockRange(ranges, i0, R, k, &lo, &hi);
+      MultiplyBlock<R, NV, L>(hi - lo, a + i0 * a_rs + lo * a_cs, a_rs, a_cs, b + lo * ldb + j, ldb,
+                              acc);
       for (int i = 0; i < R; ++i) {
         for (int v = 0; v < NV; ++v) _mm512_storeu_ps(cb + i * ldc + 16 * v, acc[i][v]);
       }
@@ -124,20 +148,31 @@ void GemmLayout(int64_t m, int64_t n, int64_t k, const float* a, int64_t a_rs, i
   for (; j + 16 <= n; j += 16) panel.template operator()<8, 1>(j);
 }
 
+inline void GemmF32RangesAvx512(int64_t m, int64_t n, int64_t k, const float* a, int64_t a_rs,
+                                int64_t a_cs, const float* b, int64_t ldb, float* c, int64_t ldc,
+                                const float* row_scale, bool accumulate, KRanges ranges) {
+  if (a_cs == 1) {
+    GemmLayout<ALayout::kRowMajor>(m, n, k, a, a_rs, a_cs, b, ldb, c, ldc, row_scale, accumulate,
+                                   ranges);
+  } else if (a_rs == 1) {
+    GemmLayout<ALayout::kColMajor>(m, n, k, a, a_rs, a_cs, b, ldb, c, ldc, row_scale, accumulate,
+                                   ranges);
+  } else {
+    GemmLayout<ALayout::kGeneral>(m, n, k, a, a_rs, a_cs, b, ldb, c, ldc, row_scale, accumulate,
+                                  ranges);
+  }
+}
+
 inline void GemmF32Avx512(int64_t m, int64_t n, int64_t k, const float* a, int64_t a_rs,
                           int64_t a_cs, const float* b, int64_t ldb, float* c, int64_t ldc,
                           const float* row_scale, bool accumulate) {
-  if (a_cs == 1) {
-    GemmLayout<ALayout::kRowMajor>(m, n, k, a, a_rs, a_cs, b, ldb, c, ldc, row_scale, accumulate);
-  } else if (a_rs == 1) {
-    GemmLayout<ALayout::kColMajor>(m, n, k, a, a_rs, a_cs, b, ldb, c, ldc, row_scale, accumulate);
-  } else {
-    GemmLayout<ALayout::kGeneral>(m, n, k, a, a_rs, a_cs, b, ldb, c, ldc, row_scale, accumulate);
-  }
+  GemmF32RangesAvx512(m, n, k, a, a_rs, a_cs, b, ldb, c, ldc, row_scale, accumulate, KRanges());
 }
 
 // Transposed-layout tile kernels (micro_fused_avx512.cc).
 namespace avx512 {
+void MaskBits(int64_t queries, int64_t keys, const uint8_t* bytes, int64_t ldb, uint16_t* bits,
+              int64_t ldm, int32_t* key_lo, int32_t* key_hi, int32_t* query_lo, int32_t* query_hi);
 void SoftmaxColumns(const TileArgs& t, float* row_max, float* row_sum, float* alpha);
 void ForwardTile(const TileArgs& t, float* row_max, float* row_sum, float* alpha);
 void BackwardTile(const BackwardTileArgs& b);

@@ -23,6 +23,7 @@
 #endif
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <limits>
 
@@ -35,40 +36,80 @@ namespace {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr float kLog2e = 1.44269504088896341f;
-// Stands in for log2(lse) of a query without any allowed key: the shifted
-// exponent becomes ~-1e30 and 2^that is exactly 0 (no -inf, hence no NaN).
-constexpr float kHugeShift = 1e30f;
 
 inline __mmask16 LaneMask(int64_t lanes) {
   return lanes >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << lanes) - 1u);
 }
 
-// Lanes whose mask byte m[0..16) is non-zero (the transposed mask has a
-// leading dimension >= mp, so 16 bytes are always readable).
-inline __mmask16 Allowed16(const uint8_t* m) {
-  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(m));
-  return _mm_test_epi8_mask(bytes, bytes);
+// Allowed lanes of key j for the 16 queries from i0 (a multiple of 16).
+inline __mmask16 Allowed16(const TileArgs& t, int64_t j, int64_t i0) {
+  return t.mask[j * t.ldm + i0 / 16];
+}
+
+// Calls f(std::integral_constant<int, C>) with C == count, 1 <= count <= N.
+template <int N, class F>
+RINGSPLASH_INLINE void WithCount(int count, F&& f) {
+  if constexpr (N > 1) {
+    if (count < N) {
+      WithCount<N - 1>(count, f);
+      return;
+    }
+  }
+  f(std::integral_constant<int, N>());
 }
 
 // Register blocks of C[rows x mp] = A[rows x k] B[k x mp] (A row-major with
 // leading dimension lda, B with ldb), each handed to epi.Apply(acc, j0, i0)
-// instead of being stored: rows j0.., lanes i0.. .
+// (rows j0.., lanes i0..) instead of being stored. With mask bits, only the
+// span of 16-lane vectors of a block that holds an allowed pair is computed;
+// the vectors outside it are handed to epi.Zero (outputs 0) — this is what
+// keeps the diagonal of causal masks and the edges of sliding windows from
+// costing full tiles.
 template <class Epilogue>
 void Blocks(int64_t rows, int64_t mp, int64_t k, const float* a, int64_t lda, const float* b,
-            int64_t ldb, Epilogue& epi) {
+            int64_t ldb, const uint16_t* bits, int64_t ldm, Epilogue& epi) {
   auto panel = [&]<int MR, int NV>(int64_t i0) {
     ForEachRowBlock<MR>(rows, [&](int64_t j0, auto r) {
       constexpr int R = decltype(r)::value;
-      __m512 acc[R][NV];
-      ZeroBlock(acc);
-      MultiplyBlock<R, NV, ALayout::kRowMajor>(k, a + j0 * lda, lda, 1, b + i0, ldb, acc);
-      epi.template Apply<R, NV>(acc, j0, i0);
+      int v_lo = 0, v_hi = NV;
+      if (bits != nullptr) {
+        unsigned live = 0;
+        for (int row = 0; row < R; ++row) {
+          const uint16_t* w = bits + (j0 + row) * ldm + i0 / 16;
+          for (int v = 0; v < NV; ++v) live |= w[v] != 0 ? 1u << v : 0u;
+        }
+        if (live == 0) {
+          epi.Zero(j0, R, i0, NV);
+          return;
+        }
+        v_lo = __builtin_ctz(live);
+        v_hi = 32 - __builtin_clz(live);
+        if (v_lo > 0) epi.Zero(j0, R, i0, v_lo);
+        if (v_hi < NV) epi.Zero(j0, R, i0 + 16 * v_hi, NV - v_hi);
+      }
+      const int64_t first = i0 + 16 * v_lo;
+      WithCount<NV>(v_hi - v_lo, [&](auto c) {
+        constexpr int C = decltype(c)::value;
+        __m512 acc[R][C];
+        ZeroBlock(acc);
+        MultiplyBlock<R, C, ALayout::kRowMajor>(k, a + j0 * lda, lda, 1, b + first, ldb, acc);
+        epi.template Apply<R, C>(acc, j0, first);
+      });
     });
   };
   int64_t i = 0;
   for (; i + 64 <= mp; i += 64) panel.template operator()<6, 4>(i);
   for (; i + 32 <= mp; i += 32) panel.template operator()<8, 2>(i);
   for (; i + 16 <= mp; i += 16) panel.template operator()<8, 1>(i);
+}
+
+// Stores zeros over rows [j0, j0 + rows) x `vectors` vectors from lane i0.
+inline void ZeroVectors(float* out, int64_t ld, int64_t j0, int rows, int64_t i0, int vectors) {
+  for (int r = 0; r < rows; ++r) {
+    for (int v = 0; v < vectors; ++v) {
+      _mm512_storeu_ps(out + (j0 + r) * ld + i0 + 16 * v, _mm512_setzero_ps());
+    }
+  }
 }
 
 // Natural logit of the raw product (scale, then the soft cap).
@@ -119,6 +160,10 @@ struct LazyForwardEpilogue {
   float* sums;      // [mp]
   ExponentOp<kCapped> exponent;
 
+  void Zero(int64_t j0, int rows, int64_t i0, int vectors) {
+    ZeroVectors(t.pt, t.ldp, j0, rows, i0, vectors);
+  }
+
   template <int R, int NV>
   RINGSPLASH_INLINE void Apply(__m512 (&acc)[R][NV], int64_t j0, int64_t i0) {
     for (int v = 0; v < NV; ++v) {
@@ -129,7 +174,7 @@ struct LazyForwardEpilogue {
         __m512 th;
         __m512 p = Exp2Raw512(exponent(acc[r][v], shift, &th));
         if constexpr (kMasked) {
-          p = _mm512_maskz_mov_ps(Allowed16(t.mask + (j0 + r) * t.ldm + col), p);
+          p = _mm512_maskz_mov_ps(Allowed16(t, j0 + r, col), p);
         }
         _mm512_storeu_ps(t.pt + (j0 + r) * t.ldp + col, p);
         sum = _mm512_add_ps(sum, p);
@@ -142,7 +187,7 @@ struct LazyForwardEpilogue {
 template <bool kMasked, bool kCapped>
 void LazyScores(const TileArgs& t, int64_t mp) {
   LazyForwardEpilogue<kMasked, kCapped> epi{t, t.scratch, t.scratch + mp, ExponentOp<kCapped>(t)};
-  Blocks(t.keys, mp, t.d, t.k, t.ldk, t.qt, t.ldq, epi);
+  Blocks(t.keys, mp, t.d, t.k, t.ldk, t.qt, t.ldq, t.mask, t.ldm, epi);
 }
 
 // Tries the lazy step; false (nothing committed) if a query needs the exact one.
@@ -182,15 +227,78 @@ bool TryLazyStep(const TileArgs& t, float* row_max, float* row_sum, float* alpha
   return true;
 }
 
+// Exact step, first pass: logits stored (-inf where masked or skipped), the
+// max of each lane kept in lane_max.
+template <bool kMasked>
+struct ExactForwardEpilogue {
+  const TileArgs& t;
+  float* lane_max;  // [mp]
+  LogitOp logit;
+
+  void Zero(int64_t j0, int rows, int64_t i0, int vectors) {
+    for (int r = 0; r < rows; ++r) {
+      for (int v = 0; v < vectors; ++v) {
+        _mm512_storeu_ps(t.pt + (j0 + r) * t.ldp + i0 + 16 * v, _mm512_set1_ps(kNegInf));
+      }
+    }
+  }
+  template <int R, int NV>
+  RINGSPLASH_INLINE void Apply(__m512 (&acc)[R][NV], int64_t j0, int64_t i0) {
+    for (int v = 0; v < NV; ++v) {
+      const int64_t col = i0 + 16 * v;
+      __m512 vmax = _mm512_load_ps(lane_max + col);
+      for (int r = 0; r < R; ++r) {
+        __m512 x = logit(acc[r][v]);
+        if constexpr (kMasked) {
+          x = _mm512_mask_blend_ps(Allowed16(t, j0 + r, col), _mm512_set1_ps(kNegInf), x);
+        }
+        _mm512_storeu_ps(t.pt + (j0 + r) * t.ldp + col, x);
+        vmax = _mm512_max_ps(vmax, x);
+      }
+      _mm512_store_ps(lane_max + col, vmax);
+    }
+  }
+};
+
+// Exact step, second pass over the logits of the 16-query strip at i0 whose
+// tile max is vmax: P^T = exp(x - shift), then the state update.
+void ExpStrip(const TileArgs& t, int64_t i0, __m512 vmax, float* row_max, float* row_sum,
+              float* alpha) {
+  const __m512 neg_inf = _mm512_set1_ps(kNegInf);
+  const __mmask16 live = LaneMask(t.queries - i0);
+  const __m512 old_max = _mm512_mask_loadu_ps(neg_inf, live, row_max + i0);
+  const __m512 m_new = _mm512_max_ps(old_max, vmax);
+  const __mmask16 none = _mm512_cmp_ps_mask(m_new, neg_inf, _CMP_EQ_OQ);
+  const __m512 shift = _mm512_mask_blend_ps(none, m_new, _mm512_setzero_ps());
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t j = 0; j < t.keys; ++j) {
+    float* s = t.pt + j * t.ldp + i0;
+    const __m512 p = Exp512(_mm512_sub_ps(_mm512_loadu_ps(s), shift));
+    _mm512_storeu_ps(s, p);
+    sum = _mm512_add_ps(sum, p);
+  }
+  const __m512 a = Exp512(_mm512_sub_ps(old_max, shift));
+  _mm512_mask_storeu_ps(alpha + i0, live, a);
+  const __m512 l = _mm512_fmadd_ps(a, _mm512_maskz_loadu_ps(live, row_sum + i0), sum);
+  _mm512_mask_storeu_ps(row_sum + i0, live, l);
+  _mm512_mask_storeu_ps(row_max + i0, live, m_new);
+}
+
 // --- Backward -------------------------------------------------------------------
 
-// P^T = 2^(x2 - lse2) (0 where masked), with a cap also deriv^T = 1 - tanh^2.
+// P^T = 2^(x2 - lse2) (0 where masked or lse = -inf), with a cap also
+// deriv^T = 1 - tanh^2.
 template <bool kMasked, bool kCapped>
 struct ProbsEpilogue {
   const TileArgs& t;
-  const float* lse2;  // [mp] lse * log2 e, kHugeShift for queries without keys
+  const float* lse2;       // [mp] lse * log2 e (0 for queries without keys)
+  const uint16_t* finite;  // [mp / 16] lanes whose lse is finite
   float* deriv;
   ExponentOp<kCapped> exponent;
+
+  void Zero(int64_t j0, int rows, int64_t i0, int vectors) {
+    ZeroVectors(t.pt, t.ldp, j0, rows, i0, vectors);
+  }
 
   template <int R, int NV>
   RINGSPLASH_INLINE void Apply(__m512 (&acc)[R][NV], int64_t j0, int64_t i0) {
@@ -200,13 +308,13 @@ struct ProbsEpilogue {
       for (int r = 0; r < R; ++r) {
         const int64_t o = (j0 + r) * t.ldp + col;
         __m512 th;
-        __m512 p = Exp2Raw512(exponent(acc[r][v], shift, &th));
+        const __m512 p = Exp2Raw512(exponent(acc[r][v], shift, &th));
         if constexpr (kCapped) {
           _mm512_storeu_ps(deriv + o, _mm512_fnmadd_ps(th, th, _mm512_set1_ps(1.0f)));
         }
-        if constexpr (kMasked)
-          p = _mm512_maskz_mov_ps(Allowed16(t.mask + (j0 + r) * t.ldm + col), p);
-        _mm512_storeu_ps(t.pt + o, p);
+        __mmask16 keep = finite[col / 16];
+        if constexpr (kMasked) keep &= Allowed16(t, j0 + r, col);
+        _mm512_storeu_ps(t.pt + o, _mm512_maskz_mov_ps(keep, p));
       }
     }
   }
@@ -218,6 +326,10 @@ struct DsEpilogue {
   const BackwardTileArgs& b;
   const float* delta;  // [mp]
   __m512 scale;
+
+  void Zero(int64_t j0, int rows, int64_t i0, int vectors) {
+    ZeroVectors(b.ds, b.t.ldp, j0, rows, i0, vectors);
+  }
 
   template <int R, int NV>
   RINGSPLASH_INLINE void Apply(__m512 (&acc)[R][NV], int64_t j0, int64_t i0) {
@@ -237,12 +349,55 @@ struct DsEpilogue {
 };
 
 template <bool kMasked, bool kCapped>
-void Probs(const TileArgs& t, int64_t mp, const float* lse2, float* deriv) {
-  ProbsEpilogue<kMasked, kCapped> epi{t, lse2, deriv, ExponentOp<kCapped>(t)};
-  Blocks(t.keys, mp, t.d, t.k, t.ldk, t.qt, t.ldq, epi);
+void Probs(const TileArgs& t, int64_t mp, const float* lse2, const uint16_t* finite, float* deriv) {
+  ProbsEpilogue<kMasked, kCapped> epi{t, lse2, finite, deriv, ExponentOp<kCapped>(t)};
+  Blocks(t.keys, mp, t.d, t.k, t.ldk, t.qt, t.ldq, t.mask, t.ldm, epi);
 }
 
 }  // namespace
+
+void MaskBits(int64_t queries, int64_t keys, const uint8_t* bytes, int64_t ldb, uint16_t* bits,
+              int64_t ldm, int32_t* key_lo, int32_t* key_hi, int32_t* query_lo, int32_t* query_hi) {
+  for (int64_t i = 0; i < queries; ++i) key_lo[i] = key_hi[i] = 0;
+  // 64 keys x 16 queries at a time: the queries' 64-bit rows (one byte test
+  // each), then per key one bit test per query across the 16 rows.
+  for (int64_t j0 = 0; j0 < keys; j0 += 64) {
+    const int64_t nk = std::min<int64_t>(64, keys - j0);
+    const __mmask64 in = nk == 64 ? ~__mmask64{0} : (__mmask64{1} << nk) - 1;
+    for (int64_t g = 0; g < ldm; ++g) {
+      alignas(64) uint64_t row[16];
+      for (int l = 0; l < 16; ++l) {
+        const int64_t i = 16 * g + l;
+        row[l] = 0;
+        if (i >= queries) continue;
+        const __m512i b = _mm512_maskz_loadu_epi8(in, bytes + i * ldb + j0);
+        row[l] = _mm512_test_epi8_mask(b, b);
+        if (row[l] != 0) {
+          const int32_t lo = static_cast<int32_t>(j0 + __builtin_ctzll(row[l]));
+          const int32_t hi = static_cast<int32_t>(j0 + 64 - __builtin_clzll(row[l]));
+          if (key_hi[i] == 0) key_lo[i] = lo;
+          key_hi[i] = hi;
+        }
+      }
+      const __m512i lo8 = _mm512_load_si512(row), hi8 = _mm512_load_si512(row + 8);
+      for (int64_t jj = 0; jj < nk; ++jj) {
+        const __m512i bit = _mm512_set1_epi64(static_cast<int64_t>(uint64_t{1} << jj));
+        const unsigned m = _mm512_test_epi64_mask(lo8, bit) |
+                           (static_cast<unsigned>(_mm512_test_epi64_mask(hi8, bit)) << 8);
+        bits[(j0 + jj) * ldm + g] = static_cast<uint16_t>(m);
+      }
+    }
+  }
+  for (int64_t j = 0; j < keys; ++j) {
+    query_lo[j] = query_hi[j] = 0;
+    for (int64_t g = 0; g < ldm; ++g) {
+      const unsigned w = bits[j * ldm + g];
+      if (w == 0) continue;
+      if (query_hi[j] == 0) query_lo[j] = static_cast<int32_t>(16 * g + __builtin_ctz(w));
+      query_hi[j] = static_cast<int32_t>(16 * g + 32 - __builtin_clz(w));
+    }
+  }
+}
 
 void SoftmaxColumns(const TileArgs& t, float* row_max, float* row_sum, float* alpha) {
   const LogitOp logit(t);
@@ -251,40 +406,34 @@ void SoftmaxColumns(const TileArgs& t, float* row_max, float* row_sum, float* al
   // One 16-query column strip at a time: the max and the sums run down the
   // keys lane-wise (the strip, keys x 64 bytes, stays in L1 between passes).
   for (int64_t i0 = 0; i0 < mp; i0 += 16) {
-    const __mmask16 live = LaneMask(t.queries - i0);
     __m512 vmax = neg_inf;
     for (int64_t j = 0; j < t.keys; ++j) {
       float* s = t.pt + j * t.ldp + i0;
       __m512 x = logit(_mm512_loadu_ps(s));
-      if (t.mask != nullptr)
-        x = _mm512_mask_blend_ps(Allowed16(t.mask + j * t.ldm + i0), neg_inf, x);
+      if (t.mask != nullptr) x = _mm512_mask_blend_ps(Allowed16(t, j, i0), neg_inf, x);
       _mm512_storeu_ps(s, x);
       vmax = _mm512_max_ps(vmax, x);
     }
-    const __m512 old_max = _mm512_mask_loadu_ps(neg_inf, live, row_max + i0);
-    const __m512 m_new = _mm512_max_ps(old_max, vmax);
-    const __mmask16 none = _mm512_cmp_ps_mask(m_new, neg_inf, _CMP_EQ_OQ);
-    const __m512 shift = _mm512_mask_blend_ps(none, m_new, _mm512_setzero_ps());
-    __m512 sum = _mm512_setzero_ps();
-    for (int64_t j = 0; j < t.keys; ++j) {
-      float* s = t.pt + j * t.ldp + i0;
-      const __m512 p = Exp512(_mm512_sub_ps(_mm512_loadu_ps(s), shift));
-      _mm512_storeu_ps(s, p);
-      sum = _mm512_add_ps(sum, p);
-    }
-    const __m512 a = Exp512(_mm512_sub_ps(old_max, shift));
-    _mm512_mask_storeu_ps(alpha + i0, live, a);
-    const __m512 l = _mm512_fmadd_ps(a, _mm512_maskz_loadu_ps(live, row_sum + i0), sum);
-    _mm512_mask_storeu_ps(row_sum + i0, live, l);
-    _mm512_mask_storeu_ps(row_max + i0, live, m_new);
+    ExpStrip(t, i0, vmax, row_max, row_sum, alpha);
   }
 }
 
 void ForwardTile(const TileArgs& t, float* row_max, float* row_sum, float* alpha) {
   if (TryLazyStep(t, row_max, row_sum, alpha)) return;
-  GemmF32Avx512(t.keys, RoundUp(t.queries, kVec), t.d, t.k, t.ldk, 1, t.qt, t.ldq, t.pt, t.ldp,
-                nullptr, false);
-  SoftmaxColumns(t, row_max, row_sum, alpha);
+  // The exact step, its first pass fused into the (trimmed) products.
+  const int64_t mp = RoundUp(t.queries, kVec);
+  float* lane_max = t.scratch;
+  for (int64_t i0 = 0; i0 < mp; i0 += 16) _mm512_store_ps(lane_max + i0, _mm512_set1_ps(kNegInf));
+  if (t.mask != nullptr) {
+    ExactForwardEpilogue<true> epi{t, lane_max, LogitOp(t)};
+    Blocks(t.keys, mp, t.d, t.k, t.ldk, t.qt, t.ldq, t.mask, t.ldm, epi);
+  } else {
+    ExactForwardEpilogue<false> epi{t, lane_max, LogitOp(t)};
+    Blocks(t.keys, mp, t.d, t.k, t.ldk, t.qt, t.ldq, nullptr, 0, epi);
+  }
+  for (int64_t i0 = 0; i0 < mp; i0 += 16) {
+    ExpStrip(t, i0, _mm512_load_ps(lane_max + i0), row_max, row_sum, alpha);
+  }
 }
 
 void BackwardTile(const BackwardTileArgs& b) {
@@ -292,28 +441,31 @@ void BackwardTile(const BackwardTileArgs& b) {
   const int64_t mp = RoundUp(t.queries, kVec);
   float* lse2 = t.scratch;
   float* delta = t.scratch + mp;
+  auto* finite = reinterpret_cast<uint16_t*>(t.scratch + 2 * mp);
   for (int64_t i0 = 0; i0 < mp; i0 += 16) {
     const __mmask16 live = LaneMask(t.queries - i0);
     const __m512 l = _mm512_maskz_loadu_ps(live, b.lse + i0);
     // Dead lanes and queries without keys (lse = -inf) get P = 0.
     const __mmask16 keys = _mm512_mask_cmp_ps_mask(live, l, _mm512_set1_ps(kNegInf), _CMP_NEQ_OQ);
-    _mm512_store_ps(
-        lse2 + i0, _mm512_mask_mul_ps(_mm512_set1_ps(kHugeShift), keys, l, _mm512_set1_ps(kLog2e)));
+    finite[i0 / 16] = keys;
+    _mm512_store_ps(lse2 + i0, _mm512_maskz_mul_ps(keys, l, _mm512_set1_ps(kLog2e)));
     _mm512_store_ps(delta + i0, _mm512_maskz_loadu_ps(live, b.delta + i0));
   }
   const bool masked = t.mask != nullptr, capped = t.softcap > 0.0f;
   if (masked) {
-    capped ? Probs<true, true>(t, mp, lse2, b.deriv) : Probs<true, false>(t, mp, lse2, b.deriv);
+    capped ? Probs<true, true>(t, mp, lse2, finite, b.deriv)
+           : Probs<true, false>(t, mp, lse2, finite, b.deriv);
   } else {
-    capped ? Probs<false, true>(t, mp, lse2, b.deriv) : Probs<false, false>(t, mp, lse2, b.deriv);
+    capped ? Probs<false, true>(t, mp, lse2, finite, b.deriv)
+           : Probs<false, false>(t, mp, lse2, finite, b.deriv);
   }
   const __m512 scale = _mm512_set1_ps(t.scale);
   if (capped) {
     DsEpilogue<true> epi{b, delta, scale};
-    Blocks(t.keys, mp, b.dv, b.v, b.ldv, b.dot, t.ldq, epi);
+    Blocks(t.keys, mp, b.dv, b.v, b.ldv, b.dot, t.ldq, t.mask, t.ldm, epi);
   } else {
     DsEpilogue<false> epi{b, delta, scale};
-    Blocks(t.keys, mp, b.dv, b.v, b.ldv, b.dot, t.ldq, epi);
+    Blocks(t.keys, mp, b.dv, b.v, b.ldv, b.dot, t.ldq, t.mask, t.ldm, epi);
   }
 }
 

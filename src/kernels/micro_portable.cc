@@ -43,7 +43,41 @@ inline float Logit(float s, float scale, float softcap, float inv_cap) {
 }
 
 inline bool Allowed(const TileArgs& t, int64_t j, int64_t i) {
-  return t.mask == nullptr || t.mask[j * t.ldm + i] != 0;
+  return micro::Allowed(t.mask, t.ldm, j, i);
+}
+
+void GemmF32Ranges(int64_t m, int64_t n, int64_t k, const float* a, int64_t a_rs, int64_t a_cs,
+                   const float* b, int64_t ldb, float* c, int64_t ldc, const float* row_scale,
+                   bool accumulate, KRanges ranges) {
+  if (ranges.lo == nullptr) {
+    GemmF32(m, n, k, a, a_rs, a_cs, b, ldb, c, ldc, row_scale, accumulate);
+    return;
+  }
+  for (int64_t i = 0; i < m; ++i) {
+    const int64_t lo = ranges.lo[i], hi = ranges.hi[i];
+    GemmF32(1, n, hi - lo, a + i * a_rs + lo * a_cs, a_rs, a_cs, b + lo * ldb, ldb, c + i * ldc,
+            ldc, row_scale != nullptr ? row_scale + i : nullptr, accumulate);
+  }
+}
+
+void MaskBits(int64_t queries, int64_t keys, const uint8_t* bytes, int64_t ldb, uint16_t* bits,
+              int64_t ldm, int32_t* key_lo, int32_t* key_hi, int32_t* query_lo, int32_t* query_hi) {
+  std::fill(bits, bits + keys * ldm, uint16_t{0});
+  std::fill(query_lo, query_lo + keys, 0);
+  std::fill(query_hi, query_hi + keys, 0);
+  for (int64_t i = 0; i < queries; ++i) {
+    int32_t lo = 0, hi = 0;
+    for (int64_t j = 0; j < keys; ++j) {
+      if (bytes[i * ldb + j] == 0) continue;
+      bits[j * ldm + i / kVec] |= static_cast<uint16_t>(1u << (i % kVec));
+      if (hi == 0) lo = static_cast<int32_t>(j);
+      hi = static_cast<int32_t>(j + 1);
+      if (query_hi[j] == 0) query_lo[j] = static_cast<int32_t>(i);
+      query_hi[j] = static_cast<int32_t>(i + 1);
+    }
+    key_lo[i] = lo;
+    key_hi[i] = hi;
+  }
 }
 
 // Raw products S^T = K Q^T into t.pt.
@@ -111,6 +145,8 @@ const MicroKernels& PortableMicroKernels() {
     MicroKernels t;
     t.name = "portable";
     t.gemm_f32 = GemmF32;
+    t.gemm_f32_ranges = GemmF32Ranges;
+    t.mask_bits = MaskBits;
     t.softmax_columns = SoftmaxColumns;
     t.forward_tile = ForwardTile;
     t.backward_tile = BackwardTile;
