@@ -11,6 +11,11 @@ CI build. Re-running this script rewrites the same files.
   mask_parse/  mask texts: every term, offsets at the int64 limits, nesting
   attention/   byte strings decoded by fuzz/attention_problem.cc (the bytes
                choose shapes, dtypes, strides and options; fixed PRNG seeds)
+
+The files named by a 40-digit hash next to them are not written here: they
+are the inputs of earlier fuzzing campaigns, minimised with
+`<target>_fuzzer -merge=1 NEW_DIR OLD_DIRS...` (every one adds coverage). Add
+new ones the same way; see docs/RELIABILITY.md.
 """
 import os
 import random
