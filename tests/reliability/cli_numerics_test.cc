@@ -99,5 +99,34 @@ TEST(CliNumerics, NaNQueryRowStaysInItsRow) {
   }
 }
 
+// Flag values tests/cli/cli_errors_test.cc does not cover: each is a usage
+// error (status 2) naming the flag, with no output file created.
+TEST(CliOptions, RemainingBadValuesAreUsageErrorsNamingTheFlag) {
+  struct Case {
+    std::vector<std::string> args;
+    std::string flag;
+  };
+  const Case cases[] = {
+      {{"--comm-timeout", "nan"}, "--comm-timeout"},
+      {{"--comm-timeout", "inf"}, "--comm-timeout"},
+      {{"--comm-timeout", "-5"}, "--comm-timeout"},
+      {{"--scale", "nan"}, "--scale"},
+      {{"--scale", "-1"}, "--scale"},
+      {{"--softcap", "inf"}, "--softcap"},
+      {{"--ranks", "5000"}, "--ranks"},
+      {{"--threads-per-rank", "x"}, "--threads-per-rank"},
+      {{"--layout", ""}, "--layout"},
+      {{"--mask", ""}, "--mask"},
+  };
+  for (const Case& c : cases) {
+    const ScratchDir dir;
+    WriteInputs(dir);
+    const CommandResult r = RunCli(Attend(dir, c.args));
+    EXPECT_EQ(r.status, 2) << c.args[0] << " " << c.args[1] << ": " << r.err;
+    EXPECT_NE(r.err.find(c.flag), std::string::npos) << c.args[1] << ": " << r.err;
+    EXPECT_FALSE(std::filesystem::exists(dir / "out.npy")) << c.args[0] << " " << c.args[1];
+  }
+}
+
 }  // namespace
 }  // namespace ringsplash::testing
