@@ -136,6 +136,9 @@ struct Tile {
 void TileArgsOf(benchmark::internal::Benchmark* b) {
   for (KernelPath path : kPaths) {
     for (int64_t d : {64, 128}) b->Args({static_cast<int64_t>(path), 64, 128, d});
+    b->Args({static_cast<int64_t>(path), 64, 24, 128});
+    b->Args({static_cast<int64_t>(path), 128, 128, 128});
+    b->Args({static_cast<int64_t>(path), 64, 256, 128});
   }
   b->ArgNames({"path", "bq", "bkv", "d"});
 }
@@ -367,6 +370,8 @@ void FlashArgs(benchmark::internal::Benchmark* b) {
     b->Args({avx, 2048, 128, 1, 0, bwd, def.q, def.kv});
     b->Args({bf, 2048, 128, 1, 0, bwd, def.q, def.kv});
   }
+  // Sequence sweep: K/V of one head in L2 (1024) or streamed from L3.
+  for (int64_t seq : {512, 1024, 4096}) b->Args({avx, seq, 128, 0, 0, 0, def.q, def.kv});
   // Tile-size sweep of the f32 forward and backward.
   for (int64_t bwd : {0, 1}) {
     for (int64_t bq : {32, 64, 128, 192}) {

@@ -23,13 +23,19 @@
 namespace ringsplash::kernels::micro {
 
 #define RINGSPLASH_INLINE inline __attribute__((always_inline))
+// Loops over the accumulator arrays must be unrolled completely: an array
+// indexed by a loop variable lives on the stack, and every block then pays a
+// round trip of all its accumulators through memory.
+#define RINGSPLASH_UNROLL _Pragma("GCC unroll 32")
 
 // How A(i, p) = a[i * a_rs + p * a_cs] is walked.
 enum class ALayout { kRowMajor, kColMajor, kGeneral };  // a_cs == 1 / a_rs == 1 / other
 
 template <int MR, int NV>
 RINGSPLASH_INLINE void ZeroBlock(__m512 (&acc)[MR][NV]) {
+  RINGSPLASH_UNROLL
   for (int i = 0; i < MR; ++i) {
+    RINGSPLASH_UNROLL
     for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_setzero_ps();
   }
 }
@@ -40,12 +46,16 @@ RINGSPLASH_INLINE void MultiplyBlock(int64_t k, const float* a, int64_t a_rs, in
                                      const float* b, int64_t ldb, __m512 (&acc)[MR][NV]) {
   if constexpr (L == ALayout::kRowMajor) {
     const float* ap[MR];
+    RINGSPLASH_UNROLL
     for (int i = 0; i < MR; ++i) ap[i] = a + i * a_rs;
     for (int64_t p = 0; p < k; ++p) {
       __m512 bv[NV];
+      RINGSPLASH_UNROLL
       for (int v = 0; v < NV; ++v) bv[v] = _mm512_loadu_ps(b + p * ldb + 16 * v);
+      RINGSPLASH_UNROLL
       for (int i = 0; i < MR; ++i) {
         const __m512 ai = _mm512_set1_ps(ap[i][p]);
+        RINGSPLASH_UNROLL
         for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_fmadd_ps(ai, bv[v], acc[i][v]);
       }
     }
@@ -53,9 +63,12 @@ RINGSPLASH_INLINE void MultiplyBlock(int64_t k, const float* a, int64_t a_rs, in
     for (int64_t p = 0; p < k; ++p) {
       const float* ap = a + p * a_cs;
       __m512 bv[NV];
+      RINGSPLASH_UNROLL
       for (int v = 0; v < NV; ++v) bv[v] = _mm512_loadu_ps(b + p * ldb + 16 * v);
+      RINGSPLASH_UNROLL
       for (int i = 0; i < MR; ++i) {
         const __m512 ai = _mm512_set1_ps(L == ALayout::kColMajor ? ap[i] : ap[i * a_rs]);
+        RINGSPLASH_UNROLL
         for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_fmadd_ps(ai, bv[v], acc[i][v]);
       }
     }
@@ -122,14 +135,17 @@ void GemmLayout(int64_t m, int64_t n, int64_t k, const float* a, int64_t a_rs, i
       constexpr int R = decltype(rows)::value;
       __m512 acc[R][NV];
       float* cb = c + i0 * ldc + j;
+      RINGSPLASH_UNROLL
       for (int i = 0; i < R; ++i) {
         if (accumulate) {
           const __m512 r = _mm512_set1_ps(row_scale != nullptr ? row_scale[i0 + i] : 1.0f);
+          RINGSPLASH_UNROLL
           for (int v = 0; v < NV; ++v) {
             acc[i][v] = _mm512_loadu_ps(cb + i * ldc + 16 * v);
             if (row_scale != nullptr) acc[i][v] = _mm512_mul_ps(acc[i][v], r);
           }
         } else {
+          RINGSPLASH_UNROLL
           for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_setzero_ps();
         }
       }
@@ -137,7 +153,9 @@ void GemmLayout(int64_t m, int64_t n, int64_t k, const float* a, int64_t a_rs, i
       BlockRange(ranges, i0, R, k, &lo, &hi);
       MultiplyBlock<R, NV, L>(hi - lo, a + i0 * a_rs + lo * a_cs, a_rs, a_cs, b + lo * ldb + j, ldb,
                               acc);
+      RINGSPLASH_UNROLL
       for (int i = 0; i < R; ++i) {
+        RINGSPLASH_UNROLL
         for (int v = 0; v < NV; ++v) _mm512_storeu_ps(cb + i * ldc + 16 * v, acc[i][v]);
       }
     });

@@ -74,8 +74,10 @@ void Blocks(int64_t rows, int64_t mp, int64_t k, const float* a, int64_t lda, co
       int v_lo = 0, v_hi = NV;
       if (bits != nullptr) {
         unsigned live = 0;
+        RINGSPLASH_UNROLL
         for (int row = 0; row < R; ++row) {
           const uint16_t* w = bits + (j0 + row) * ldm + i0 / 16;
+          RINGSPLASH_UNROLL
           for (int v = 0; v < NV; ++v) live |= w[v] != 0 ? 1u << v : 0u;
         }
         if (live == 0) {
@@ -166,10 +168,12 @@ struct LazyForwardEpilogue {
 
   template <int R, int NV>
   RINGSPLASH_INLINE void Apply(__m512 (&acc)[R][NV], int64_t j0, int64_t i0) {
+    RINGSPLASH_UNROLL
     for (int v = 0; v < NV; ++v) {
       const int64_t col = i0 + 16 * v;
       const __m512 shift = _mm512_load_ps(m2 + col);
       __m512 sum = _mm512_setzero_ps();
+      RINGSPLASH_UNROLL
       for (int r = 0; r < R; ++r) {
         __m512 th;
         __m512 p = Exp2Raw512(exponent(acc[r][v], shift, &th));
@@ -244,9 +248,11 @@ struct ExactForwardEpilogue {
   }
   template <int R, int NV>
   RINGSPLASH_INLINE void Apply(__m512 (&acc)[R][NV], int64_t j0, int64_t i0) {
+    RINGSPLASH_UNROLL
     for (int v = 0; v < NV; ++v) {
       const int64_t col = i0 + 16 * v;
       __m512 vmax = _mm512_load_ps(lane_max + col);
+      RINGSPLASH_UNROLL
       for (int r = 0; r < R; ++r) {
         __m512 x = logit(acc[r][v]);
         if constexpr (kMasked) {
@@ -302,9 +308,11 @@ struct ProbsEpilogue {
 
   template <int R, int NV>
   RINGSPLASH_INLINE void Apply(__m512 (&acc)[R][NV], int64_t j0, int64_t i0) {
+    RINGSPLASH_UNROLL
     for (int v = 0; v < NV; ++v) {
       const int64_t col = i0 + 16 * v;
       const __m512 shift = _mm512_load_ps(lse2 + col);
+      RINGSPLASH_UNROLL
       for (int r = 0; r < R; ++r) {
         const int64_t o = (j0 + r) * t.ldp + col;
         __m512 th;
@@ -334,9 +342,11 @@ struct DsEpilogue {
   template <int R, int NV>
   RINGSPLASH_INLINE void Apply(__m512 (&acc)[R][NV], int64_t j0, int64_t i0) {
     const int64_t ldp = b.t.ldp;
+    RINGSPLASH_UNROLL
     for (int v = 0; v < NV; ++v) {
       const int64_t col = i0 + 16 * v;
       const __m512 dl = _mm512_load_ps(delta + col);
+      RINGSPLASH_UNROLL
       for (int r = 0; r < R; ++r) {
         const int64_t o = (j0 + r) * ldp + col;
         const __m512 sp = _mm512_mul_ps(scale, _mm512_loadu_ps(b.t.pt + o));
@@ -366,6 +376,7 @@ void MaskBits(int64_t queries, int64_t keys, const uint8_t* bytes, int64_t ldb, 
     const __mmask64 in = nk == 64 ? ~__mmask64{0} : (__mmask64{1} << nk) - 1;
     for (int64_t g = 0; g < ldm; ++g) {
       alignas(64) uint64_t row[16];
+      RINGSPLASH_UNROLL
       for (int l = 0; l < 16; ++l) {
         const int64_t i = 16 * g + l;
         row[l] = 0;
