@@ -7,17 +7,18 @@
 // list of 64-bit fields (Field below; the mask and the sinks values enter as
 // hashes) and the ranks compare them with the Communicator's only collective,
 // AllReduceSum:
-//   1. digest  [N, 4] floats: a hash of the field list in slot `rank`. When
-//      every slot equals slot 0 the ranks agree — the common case costs this
-//      one collective of 4N floats.
+//   1. digest  [64] floats: bit i of a 64-bit hash of the field list, as
+//      0 or 1. Summed, each element counts the ranks whose bit i is set;
+//      the ranks agree iff every count is 0 or N. The common case costs this
+//      one collective of 64 floats, whatever N.
 //   2. fields  [N, kNumFields * 4] floats (only on a mismatch): every rank's
-//      fields, to name the lowest rank r that differs from rank 0 and the
-//      first field that differs.
+//      fields in its own slot, to name the lowest rank r that differs from
+//      rank 0 and the first field that differs.
 //   3. details [2, L] floats (only for the mask and the sinks values, which
 //      are hashes in step 2): rank 0's and rank r's mask text or sinks.
-// Exactness: every value travels as 16-bit pieces (integers in [0, 65535]
-// are exact floats) and every element has at most one non-zero addend, so
-// the sums are exact on every backend. Every rank therefore sees the same
+// Exactness: the sums are integers below 2^24 (bit counts up to N; in steps
+// 2 and 3 16-bit pieces or bytes with one non-zero addend per element), so
+// they are exact floats on every backend. Every rank therefore sees the same
 // numbers, takes the same branches (same collectives) and throws the same
 // message.
 #include <cstdint>
@@ -387,9 +388,12 @@ void CheckRanksAgree(Communicator& comm, const AttentionInputs& local, const Rin
   const Fields mine = LocalFields(local, options, dims, scale, backward);
   Hasher digest;
   for (uint64_t v : mine) digest.Add(v);
-  const std::vector<Fields> digests = GatherFields(comm, {digest.value()});
+  std::vector<float> bits(64);
+  for (size_t i = 0; i < bits.size(); ++i) bits[i] = static_cast<float>((digest.value() >> i) & 1);
+  comm.AllReduceSum(bits.data(), bits.size());
+  const auto n = static_cast<float>(comm.size());
   bool agree = true;
-  for (const Fields& d : digests) agree = agree && d[0] == digests[0][0];
+  for (float count : bits) agree = agree && (count == 0.0f || count == n);
   if (agree) return;
 
   const std::vector<Fields> all = GatherFields(comm, mine);

@@ -81,8 +81,8 @@ class RanksDisagree : public Error {
 // dense bytes), effective `scale`, soft cap, presence of segment ids and of
 // sinks, the sinks values, block sizes, forward vs backward — and throws
 // RanksDisagree naming the first difference ("ring: rank 1 passed q with 32
-// local rows but rank 0 passed 16"). One all-reduce of 4 x N floats when
-// the ranks agree (see agreement.cc); nothing with a single rank.
+// local rows but rank 0 passed 16"). One all-reduce of 64 floats when the
+// ranks agree (see agreement.cc); nothing with a single rank.
 void CheckRanksAgree(Communicator& comm, const AttentionInputs& local, const RingOptions& options,
                      const kernels::AttentionDims& dims, float scale, bool backward);
 
