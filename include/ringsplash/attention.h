@@ -46,7 +46,7 @@ struct AttentionOptions {
   std::optional<float> scale;    // default 1/sqrt(D)
   std::optional<float> softcap;  // cap > 0: s = cap * tanh(s / cap)
   BlockSizes block_sizes;
-  int num_threads = 0;  // 0: all hardware threads
+  int num_threads = 0;  // 0: all hardware threads; at most 1024
   KernelPath kernel_path = KernelPath::kAuto;
 };
 

@@ -73,7 +73,11 @@ struct RankStats {
 // Per-rank entry points. `local` holds this rank's shards (dim 1 = local rows
 // in layout order); q_positions/kv_positions must be empty (the ring derives
 // them from the layout). Global lengths are local lengths * N. Collective:
-// every rank of `comm` must call it.
+// every rank of `comm` must call it, with the same shapes, dtype, layout,
+// mask, scale, soft cap, sinks, segment presence and block sizes — checked
+// up front with one small all-reduce; a mismatch is an Error on every rank
+// naming what differs (e.g. "ranks disagree on the mask (rank 0: 'causal',
+// rank 1: 'full')").
 void RingAttentionForward(Communicator& comm, const AttentionInputs& local,
                           const RingOptions& options, TensorView out, TensorView lse,
                           RankStats* stats = nullptr);
