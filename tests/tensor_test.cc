@@ -10,6 +10,7 @@
 #include <cstring>
 #include <limits>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "ringsplash/error.h"
@@ -245,6 +246,102 @@ TEST(CopyConvertTest, MismatchedShapesThrow) {
   Tensor a(DType::kF32, {2, 3}), b(DType::kF32, {3, 2}), c(DType::kF32, {6});
   EXPECT_THROW(CopyConvert(a.view(), b.view()), Error);
   EXPECT_THROW(CopyConvert(a.view(), c.view()), Error);
+}
+
+TEST(CopyConvertTest, LargestFiniteIsTheIeeeValue) {
+  // f16: (2 - 2^-10) * 2^15; bf16: (2 - 2^-7) * 2^127 — from the formats, not the code.
+  EXPECT_EQ(LargestFinite(DType::kF16), 65504.0f);
+  EXPECT_EQ(LargestFinite(DType::kBF16), std::ldexp(255.0f, 120));
+  EXPECT_EQ(LargestFinite(DType::kF32), std::numeric_limits<float>::max());
+}
+
+// A finite f32 beyond the f16 range is an Error naming the argument, the
+// value, its index (over the source shape, whatever dst's strides) and the
+// dtype; a strided [1, 2, 2, 4] dst still receives the other values.
+TEST(CopyConvertTest, CheckedF16OverflowNamesArgumentValueAndIndex) {
+  Tensor src(DType::kF32, {1, 2, 2, 4});
+  for (int64_t i = 0; i < src.numel(); ++i) src.data_as<float>()[i] = static_cast<float>(i);
+  const TensorView sv = src.view();
+  src.data_as<float>()[sv.Offset(0, 1, 0, 3)] = 128000.0f;
+  src.data_as<float>()[sv.Offset(0, 1, 1, 2)] = -1e6f;  // later: not the one reported
+  Tensor dst(DType::kF16, {1, 2, 2, 4});
+  const TensorView dv = dst.view().Transposed(1, 2);  // memory [1, 2, 2, 4], dims 1 and 2 swapped
+  try {
+    CopyConvert(sv, dv, "dv");
+    FAIL() << "no error for 128000 in f16";
+  } catch (const Error& e) {
+    const std::string m = e.what();
+    EXPECT_EQ(m.rfind("dv: ", 0), 0u) << m;
+    EXPECT_NE(m.find("128000"), std::string::npos) << m;
+    EXPECT_NE(m.find("[0, 1, 0, 3]"), std::string::npos) << m;
+    EXPECT_NE(m.find("f16"), std::string::npos) << m;
+    EXPECT_NE(m.find("65504"), std::string::npos) << m;
+  }
+  // Every element was converted; the unchecked overload keeps storing +-inf.
+  EXPECT_EQ(LoadAsF32(dv, dv.Offset(0, 0, 1, 2)), 6.0f);
+  EXPECT_EQ(CopyConvertFindOverflow(sv, dv), 1 * 8 + 0 * 4 + 3);
+  EXPECT_NO_THROW(CopyConvert(sv, dv));
+  EXPECT_EQ(LoadAsF32(dv, dv.Offset(0, 1, 0, 3)), std::numeric_limits<float>::infinity());
+  EXPECT_EQ(LoadAsF32(dv, dv.Offset(0, 1, 1, 2)), -std::numeric_limits<float>::infinity());
+}
+
+TEST(CopyConvertTest, CheckedBF16OverflowAndTheEdgesOfTheRange) {
+  const float max = std::numeric_limits<float>::max();
+  Tensor src(DType::kF32, {3});
+  Tensor dst(DType::kBF16, {3});
+  src.data_as<float>()[0] = 1.0f;
+  src.data_as<float>()[2] = max;  // rounds up to inf in bf16
+  try {
+    CopyConvert(src.view(), dst.view(), "out");
+    FAIL() << "no error for FLT_MAX in bf16";
+  } catch (const Error& e) {
+    const std::string m = e.what();
+    EXPECT_EQ(m.rfind("out: ", 0), 0u) << m;
+    EXPECT_NE(m.find("[2]"), std::string::npos) << m;
+    EXPECT_NE(m.find("bf16"), std::string::npos) << m;
+  }
+  // The largest finite values, and one that rounds down to them, fit.
+  Tensor edge(DType::kF32, {4});
+  float* e = edge.data_as<float>();
+  e[0] = 65504.0f;
+  e[1] = -65519.0f;  // below the midpoint 65520: rounds to -65504
+  e[2] = std::ldexp(255.0f, 120);
+  e[3] = -std::ldexp(255.0f, 120);
+  Tensor h(DType::kF16, {2});
+  CopyConvert(TensorView::Contiguous(e, DType::kF32, {2}), h.view(), "out");
+  EXPECT_EQ(LoadAsF32(h.view(), 0), 65504.0f);
+  EXPECT_EQ(LoadAsF32(h.view(), 1), -65504.0f);
+  Tensor b(DType::kBF16, {2});
+  CopyConvert(TensorView::Contiguous(e + 2, DType::kF32, {2}), b.view(), "out");
+  EXPECT_EQ(LoadAsF32(b.view(), 0), e[2]);
+  EXPECT_EQ(LoadAsF32(b.view(), 1), e[3]);
+  // 65520 is the f16 midpoint: round-to-even goes up to inf.
+  e[1] = 65520.0f;
+  EXPECT_THROW(CopyConvert(TensorView::Contiguous(e, DType::kF32, {2}), h.view(), "out"), Error);
+}
+
+// The NaN rule: NaN and infinities that the caller's data already holds are
+// copied unchanged, not reported; f32 outputs never overflow.
+TEST(CopyConvertTest, CheckedConversionPassesNaNAndInfThrough) {
+  const float inf = std::numeric_limits<float>::infinity();
+  Tensor src(DType::kF32, {4});
+  float* s = src.data_as<float>();
+  s[0] = std::numeric_limits<float>::quiet_NaN();
+  s[1] = inf;
+  s[2] = -inf;
+  s[3] = 2.0f;
+  for (DType dt : {DType::kF16, DType::kBF16, DType::kF32}) {
+    Tensor dst(dt, {4});
+    ASSERT_NO_THROW(CopyConvert(src.view(), dst.view(), "out")) << DTypeName(dt);
+    EXPECT_TRUE(std::isnan(LoadAsF32(dst.view(), 0))) << DTypeName(dt);
+    EXPECT_EQ(LoadAsF32(dst.view(), 1), inf) << DTypeName(dt);
+    EXPECT_EQ(LoadAsF32(dst.view(), 2), -inf) << DTypeName(dt);
+    EXPECT_EQ(LoadAsF32(dst.view(), 3), 2.0f) << DTypeName(dt);
+  }
+  Tensor big(DType::kF32, {1}), big_out(DType::kF32, {1});
+  big.data_as<float>()[0] = std::numeric_limits<float>::max();
+  EXPECT_NO_THROW(CopyConvert(big.view(), big_out.view(), "out"));
+  EXPECT_EQ(big_out.data_as<float>()[0], std::numeric_limits<float>::max());
 }
 
 }  // namespace

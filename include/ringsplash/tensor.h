@@ -105,7 +105,21 @@ float LoadAsF32(const TensorView& t, int64_t offset);
 // Writes f32 `value` into element `offset`, rounding to the view's dtype.
 void StoreFromF32(const TensorView& t, int64_t offset, float value);
 // Copies/converts src into dst elementwise (same shape, any strides, float-like dtypes).
+// Unchecked: a finite value beyond the range of an f16/bf16 dst becomes +-inf.
 void CopyConvert(const TensorView& src, const TensorView& dst);
+// As CopyConvert, but a finite src value that is not finite in dst (beyond the
+// range of an f16/bf16 dst) throws Error naming `what`:
+//   "dv: value 128000 at [0, 0, 0, 3] does not fit in f16 (out of range; largest
+//   finite 65504); pass an f32 output".
+// NaN and +-inf in src are copied as they are (they are the caller's, not a
+// rounding artefact). dst may be partly written when it throws.
+void CopyConvert(const TensorView& src, const TensorView& dst, const char* what);
+// The primitive under the checked CopyConvert: converts every element like
+// CopyConvert and returns the row-major number (over src's shape) of the first
+// finite src value that became non-finite in dst, or -1 if there is none.
+int64_t CopyConvertFindOverflow(const TensorView& src, const TensorView& dst);
+// Largest finite value of a float-like dtype (65504 for f16).
+float LargestFinite(DType dtype);
 
 }  // namespace ringsplash
 

@@ -3,6 +3,7 @@
 
 #include <cmath>
 #include <cstdlib>
+#include <limits>
 #include <sstream>
 #include <utility>
 
@@ -210,7 +211,28 @@ void StoreFromF32(const TensorView& t, int64_t offset, float value) {
   }
 }
 
-void CopyConvert(const TensorView& src, const TensorView& dst) {
+namespace {
+
+// Converts one row of `n` f32 values into an f16/bf16 row (strides in
+// elements); returns the index of the first finite value that rounded to
+// +-inf, or -1. The exponent test on the result is one AND per element; the
+// source is examined only on the rare path.
+template <uint16_t (*kConvert)(float), uint16_t kExpMask>
+int64_t ConvertRow16(const TensorView& src, int64_t so, int64_t ss, uint16_t* d, int64_t ds,
+                     int64_t n) {
+  int64_t first = -1;
+  for (int64_t e = 0; e < n; ++e) {
+    const float x = LoadAsF32(src, so + e * ss);
+    const uint16_t h = kConvert(x);
+    d[e * ds] = h;
+    if ((h & kExpMask) == kExpMask && first < 0 && std::isfinite(x)) first = e;
+  }
+  return first;
+}
+
+}  // namespace
+
+int64_t CopyConvertFindOverflow(const TensorView& src, const TensorView& dst) {
   Check(src.ndim == dst.ndim, "CopyConvert: source has ", src.ndim, " dims, destination ",
         dst.ndim);
   for (int i = 0; i < src.ndim; ++i) {
@@ -225,20 +247,69 @@ void CopyConvert(const TensorView& src, const TensorView& dst) {
     ds[kMaxDims - src.ndim + i] = dst.stride[i];
   }
   const bool same_f32 = src.dtype == DType::kF32 && dst.dtype == DType::kF32;
+  int64_t first = -1;
+  int64_t row = 0;  // row-major number of the row (a, b, c)
   for (int64_t a = 0; a < shape[0]; ++a)
     for (int64_t b = 0; b < shape[1]; ++b)
-      for (int64_t c = 0; c < shape[2]; ++c) {
+      for (int64_t c = 0; c < shape[2]; ++c, ++row) {
         const int64_t so = a * ss[0] + b * ss[1] + c * ss[2];
         const int64_t d0 = a * ds[0] + b * ds[1] + c * ds[2];
+        int64_t bad = -1;
         if (same_f32) {
           const float* s = static_cast<const float*>(src.data) + so;
           float* d = static_cast<float*>(dst.data) + d0;
           for (int64_t e = 0; e < shape[3]; ++e) d[e * ds[3]] = s[e * ss[3]];
-        } else {
+        } else if (dst.dtype == DType::kF16) {
+          bad = ConvertRow16<F32ToF16, 0x7c00u>(
+              src, so, ss[3], static_cast<uint16_t*>(dst.data) + d0, ds[3], shape[3]);
+        } else if (dst.dtype == DType::kBF16) {
+          bad = ConvertRow16<F32ToBF16, 0x7f80u>(
+              src, so, ss[3], static_cast<uint16_t*>(dst.data) + d0, ds[3], shape[3]);
+        } else {  // f32 from f16/bf16 widens exactly; i32/bool are not float-like
           for (int64_t e = 0; e < shape[3]; ++e)
             StoreFromF32(dst, d0 + e * ds[3], LoadAsF32(src, so + e * ss[3]));
         }
+        if (bad >= 0 && first < 0) first = row * shape[3] + bad;
       }
+  return first;
+}
+
+void CopyConvert(const TensorView& src, const TensorView& dst) {
+  CopyConvertFindOverflow(src, dst);
+}
+
+void CopyConvert(const TensorView& src, const TensorView& dst, const char* what) {
+  int64_t linear = CopyConvertFindOverflow(src, dst);
+  if (linear < 0) return;
+  // Unravel over src's shape for the message, and re-read the source value.
+  std::array<int64_t, kMaxDims> index{};
+  for (int i = src.ndim - 1; i >= 0; --i) {
+    index[i] = linear % src.shape[i];
+    linear /= src.shape[i];
+  }
+  std::ostringstream at;
+  at << '[';
+  for (int i = 0; i < src.ndim; ++i) at << (i ? ", " : "") << index[i];
+  at << ']';
+  const float value = LoadAsF32(src, src.Offset(index[0], index[1], index[2], index[3]));
+  Fail(what, ": value ", value, " at ", at.str(), " does not fit in ", DTypeName(dst.dtype),
+       " (out of range; largest finite ", LargestFinite(dst.dtype), "); pass an f32 output");
+}
+
+float LargestFinite(DType dtype) {
+  switch (dtype) {
+    case DType::kF32:
+      return std::numeric_limits<float>::max();
+    case DType::kBF16:
+      return BF16ToF32(0x7f7fu);
+    case DType::kF16:
+      return F16ToF32(0x7bffu);
+    case DType::kI32:
+      return static_cast<float>(std::numeric_limits<int32_t>::max());
+    case DType::kBool:
+      return 1.0f;
+  }
+  return 0.0f;
 }
 
 }  // namespace ringsplash

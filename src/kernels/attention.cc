@@ -124,12 +124,14 @@ void Prepare(const AttentionInputs& in, const AttentionOptions& opt, const Atten
 
 bool IsF32Contiguous(const TensorView& t) { return t.dtype == DType::kF32 && t.is_contiguous(); }
 
-// An f32 contiguous buffer of `shape` for a result that ends up in `user`:
-// the user's own memory when it is already f32 contiguous, else scratch that
-// Finish() converts into it.
+// An f32 contiguous buffer of `shape` for a result that ends up in `user`
+// (the argument `what`): the user's own memory when it is already f32
+// contiguous, else scratch that Finish() converts into it — throwing Error if
+// a finite result does not fit in the user's f16/bf16.
 class F32Buffer {
  public:
-  F32Buffer(const TensorView& user, std::vector<int64_t> shape, bool zero) : user_(user) {
+  F32Buffer(const TensorView& user, std::vector<int64_t> shape, bool zero, const char* what)
+      : user_(user), what_(what) {
     if (IsF32Contiguous(user)) {
       ptr_ = static_cast<float*>(user.data);
       if (zero) std::memset(ptr_, 0, static_cast<size_t>(user.numel()) * sizeof(float));
@@ -140,11 +142,12 @@ class F32Buffer {
   }
   float* get() const { return ptr_; }
   void Finish() const {
-    if (scratch_.data() != nullptr) CopyConvert(scratch_.view(), user_);
+    if (scratch_.data() != nullptr) CopyConvert(scratch_.view(), user_, what_);
   }
 
  private:
   TensorView user_;
+  const char* what_;
   Tensor scratch_;
   float* ptr_ = nullptr;
 };
@@ -160,8 +163,8 @@ void AttentionForward(const AttentionInputs& in, const AttentionOptions& opt, Te
   Prepared pr;
   Prepare(in, opt, dims, pr);
 
-  F32Buffer out32(out, {dims.b, dims.sq, dims.h, dims.dv}, /*zero=*/false);
-  F32Buffer lse32(lse, {dims.b, dims.h, dims.sq}, /*zero=*/false);
+  F32Buffer out32(out, {dims.b, dims.sq, dims.h, dims.dv}, /*zero=*/false, "out");
+  F32Buffer lse32(lse, {dims.b, dims.h, dims.sq}, /*zero=*/false, "lse");
   KernelStats local;
   {
     PoolLease lease(opt.num_threads);
@@ -197,9 +200,9 @@ void AttentionBackward(const AttentionInputs& in, const AttentionOptions& opt, T
     lse32 = lse_copy.data_as<float>();
   }
 
-  F32Buffer dq32(dq, {dims.b, dims.sq, dims.h, dims.d}, /*zero=*/true);
-  F32Buffer dk32(dk, {dims.b, dims.skv, dims.hkv, dims.d}, /*zero=*/true);
-  F32Buffer dv32(dv, {dims.b, dims.skv, dims.hkv, dims.dv}, /*zero=*/true);
+  F32Buffer dq32(dq, {dims.b, dims.sq, dims.h, dims.d}, /*zero=*/true, "dq");
+  F32Buffer dk32(dk, {dims.b, dims.skv, dims.hkv, dims.d}, /*zero=*/true, "dk");
+  F32Buffer dv32(dv, {dims.b, dims.skv, dims.hkv, dims.dv}, /*zero=*/true, "dv");
   KernelStats local;
   {
     PoolLease lease(opt.num_threads);

@@ -115,12 +115,15 @@ void BackwardSteps(Communicator& comm, const RingSetup& s, const AttentionInputs
     if (stats != nullptr) stats->backward_steps.push_back(step);
   }
   const float* home = scratch.accs[acc_in].data_as<float>();
-  CopyConvert(dq_acc.view(), dq);
+  // Checked: a finite gradient beyond an f16/bf16 range is an Error naming
+  // it (a peer still in the dsinks all-reduce below is woken by the Abort).
+  CopyConvert(dq_acc.view(), dq, "dq");
   CopyConvert(
-      TensorView::Contiguous(const_cast<float*>(home), DType::kF32, {d.b, d.skv, d.hkv, d.d}), dk);
+      TensorView::Contiguous(const_cast<float*>(home), DType::kF32, {d.b, d.skv, d.hkv, d.d}), dk,
+      "dk");
   CopyConvert(TensorView::Contiguous(const_cast<float*>(home + dk_elems), DType::kF32,
                                      {d.b, d.skv, d.hkv, d.dv}),
-              dv);
+              dv, "dv");
 
   if (!s.sinks.empty()) {
     // Over this rank's rows only, then summed over ranks: once per row of

@@ -91,8 +91,9 @@ void ForwardSteps(Communicator& comm, const RingSetup& s, const AttentionInputs&
     kernels::ApplySinks(s.Rows(), out_acc.data_as<float>(), lse_acc.data_as<float>(),
                         s.sinks.data());
   }
-  CopyConvert(out_acc.view(), out);
-  CopyConvert(lse_acc.view(), lse);
+  // Checked: a finite out beyond an f16/bf16 range is an Error naming it.
+  CopyConvert(out_acc.view(), out, "out");
+  CopyConvert(lse_acc.view(), lse, "lse");
 }
 
 }  // namespace
