@@ -213,10 +213,28 @@ int64_t LoadInt(const std::byte* p, NpyType t, int64_t i) {
   return 0;
 }
 
+// "q.npy: value 3.40282e+38 at [0, 0, 0, 5] is out of range for bf16 ...":
+// element number `element` (row-major) of the file `name` of `shape`.
+[[noreturn]] void FailOutOfRange(const std::string& name, std::span<const int64_t> shape,
+                                 int64_t element, float value, DType dtype) {
+  std::vector<int64_t> index(shape.size());
+  for (size_t i = shape.size(); i-- > 0;) {
+    index[i] = element % shape[i];
+    element /= shape[i];
+  }
+  Fail(name, ": value ", value, " at ", ShapeString(index), " is out of range for ",
+       DTypeName(dtype), " (overflows to infinity; largest finite ", LargestFinite(dtype),
+       "); use --dtype f32");
+}
+
 // Converts `count` contiguous elements of file type `src_type` at `src` into
 // `dst` (dtype `dst_type`). Callers have checked the combination is allowed.
+// The run starts at element `first` of the file `name` of `shape` (for
+// messages). A finite float that overflows the narrower dst (f32 beyond the
+// bf16/f16 range) is an Error: computing with an infinity the file does not
+// hold would silently poison the results. NaN/inf in the file pass through.
 void ConvertRun(const std::byte* src, NpyType src_type, void* dst, DType dst_type, int64_t count,
-                const std::string& name) {
+                const std::string& name, std::span<const int64_t> shape, int64_t first) {
   if (IsFloat(src_type)) {
     // A header of odd length leaves the data unaligned; element loads need
     // natural alignment, so such runs go through an aligned copy.
@@ -231,8 +249,10 @@ void ConvertRun(const std::byte* src, NpyType src_type, void* dst, DType dst_typ
       return;
     }
     const DType sd = src_type == NpyType::kF32 ? DType::kF32 : DType::kF16;
-    CopyConvert(TensorView::Contiguous(const_cast<std::byte*>(src), sd, {count}),
-                TensorView::Contiguous(dst, dst_type, {count}));
+    const TensorView from = TensorView::Contiguous(const_cast<std::byte*>(src), sd, {count});
+    const int64_t bad =
+        CopyConvertFindOverflow(from, TensorView::Contiguous(dst, dst_type, {count}));
+    if (bad >= 0) FailOutOfRange(name, shape, first + bad, LoadAsF32(from, bad), dst_type);
     return;
   }
   if (dst_type == DType::kBool) {
@@ -457,7 +477,7 @@ NpyArray::~NpyArray() {
 Tensor NpyArray::Load(DType dtype, const char* what) const {
   CheckConvertible(*this, dtype, what);
   Tensor t(dtype, header_.shape);
-  ConvertRun(data_, header_.type, t.data(), dtype, numel(), path_);
+  ConvertRun(data_, header_.type, t.data(), dtype, numel(), path_, header_.shape, 0);
   return t;
 }
 
@@ -482,7 +502,8 @@ Tensor NpyArray::LoadRows(DType dtype, std::span<const int64_t> rows, const char
       const int64_t src_row = b * seq + rows[i];
       const int64_t dst_row = b * static_cast<int64_t>(rows.size()) + static_cast<int64_t>(i);
       ConvertRun(data_ + static_cast<size_t>(src_row * inner) * src_item, header_.type,
-                 dst + static_cast<size_t>(dst_row * inner) * dst_item, dtype, inner, path_);
+                 dst + static_cast<size_t>(dst_row * inner) * dst_item, dtype, inner, path_,
+                 header_.shape, src_row * inner);
     }
   }
   return t;
