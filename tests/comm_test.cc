@@ -102,6 +102,80 @@ TEST(CommTest, RejectsBadArguments) {
   EXPECT_THROW(RunThreadRanks(2, bad, [](Communicator&) {}), Error);
 }
 
+// Null buffers with a non-zero size are argument errors naming the call and
+// the argument (not a crash in the copy); null with size 0 stays valid (see
+// ZeroByteShiftCompletes).
+TEST(CommTest, NullBuffersWithBytesAreErrors) {
+  struct Case {
+    const char* name;
+    void (*call)(Communicator&);
+    std::vector<std::string> words;
+  };
+  const Case cases[] = {
+      {"null send",
+       [](Communicator& c) {
+         std::vector<char> recv(64);
+         c.Wait(c.StartShift(nullptr, recv.data(), recv.size()));
+       },
+       {"StartShift", "send", "null", "64"}},
+      {"null recv",
+       [](Communicator& c) {
+         std::vector<char> send(64);
+         c.Wait(c.StartShift(send.data(), nullptr, send.size()));
+       },
+       {"StartShift", "recv", "null", "64"}},
+      {"both null",
+       [](Communicator& c) { c.Wait(c.StartShift(nullptr, nullptr, 16)); },
+       {"StartShift", "null", "16"}},
+      {"all-reduce",
+       [](Communicator& c) { c.AllReduceSum(nullptr, 4); },
+       {"AllReduceSum", "data", "null", "4"}},
+  };
+  for (const Case& c : cases) {
+    for (int n : {1, 2}) {
+      try {
+        RunThreadRanks(n, CommOptions{}, c.call);
+        ADD_FAILURE() << c.name << ", " << n << " ranks: no Error";
+      } catch (const Error& e) {
+        const std::string msg = e.what();
+        for (const std::string& w : c.words) {
+          EXPECT_NE(msg.find(w), std::string::npos) << c.name << ": " << msg;
+        }
+      }
+    }
+  }
+  RunThreadRanks(2, CommOptions{}, [](Communicator& comm) { comm.AllReduceSum(nullptr, 0); });
+}
+
+// Only rank 0 passes a null buffer: its peer, already waiting for the shift,
+// is woken by the abort (its message names rank 0's reason), not left to time
+// out.
+TEST(CommTest, NullBufferOnOneRankFailsItsPeer) {
+  CommOptions opt;
+  opt.timeout_s = 60;
+  std::string peer_message;
+  try {
+    RunThreadRanks(2, opt, [&](Communicator& comm) {
+      std::vector<char> send(64), recv(64);
+      if (comm.rank() == 0) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));  // let rank 1 post first
+        comm.StartShift(send.data(), nullptr, 64);
+        return;
+      }
+      try {
+        comm.Wait(comm.StartShift(send.data(), recv.data(), 64));
+      } catch (const Error& e) {
+        peer_message = e.what();
+        throw;
+      }
+    });
+    FAIL() << "expected an Error";
+  } catch (const Error& e) {
+    EXPECT_EQ(std::string(e.what()), "rank 0 failed: StartShift: recv is null but bytes = 64");
+  }
+  EXPECT_NE(peer_message.find("rank 0 failed: StartShift"), std::string::npos) << peer_message;
+}
+
 TEST(CommTest, MismatchedShiftSizesFailBothRanks) {
   try {
     RunThreadRanks(2, CommOptions{}, [](Communicator& comm) {

@@ -668,10 +668,15 @@ class MpiComm final : public Communicator {
   int size() const override { return rt_->size(); }
   const char* backend() const override { return "mpi"; }
   Handle StartShift(const void* send, void* recv, size_t bytes) override {
+    // Checked before any shared state changes, so a bad call leaves the
+    // communicator usable for the Abort that follows the throw.
+    Check(send != nullptr || bytes == 0, "StartShift: send is null but bytes = ", bytes);
+    Check(recv != nullptr || bytes == 0, "StartShift: recv is null but bytes = ", bytes);
     return rt_->StartShift(send, recv, bytes);
   }
   void Wait(Handle handle) override { rt_->Wait(handle, options_.timeout_s); }
   void AllReduceSum(float* data, size_t count) override {
+    Check(data != nullptr || count == 0, "AllReduceSum: data is null but count = ", count);
     rt_->AllReduce(data, count, options_.timeout_s);
   }
   void Barrier() override { rt_->AllReduce(nullptr, 0, options_.timeout_s); }

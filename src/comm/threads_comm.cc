@@ -314,10 +314,15 @@ class ThreadComm final : public Communicator {
   int size() const override { return world_->size(); }
   const char* backend() const override { return "threads"; }
   Handle StartShift(const void* send, void* recv, size_t bytes) override {
+    // Checked before any shared state changes, so a bad call leaves the
+    // communicator usable for the Abort that follows the throw.
+    Check(send != nullptr || bytes == 0, "StartShift: send is null but bytes = ", bytes);
+    Check(recv != nullptr || bytes == 0, "StartShift: recv is null but bytes = ", bytes);
     return world_->StartShift(rank_, send, recv, bytes);
   }
   void Wait(Handle handle) override { world_->Wait(rank_, handle); }
   void AllReduceSum(float* data, size_t count) override {
+    Check(data != nullptr || count == 0, "AllReduceSum: data is null but count = ", count);
     world_->AllReduce(rank_, data, count, "all-reduce");
   }
   void Barrier() override { world_->AllReduce(rank_, nullptr, 0, "barrier"); }
