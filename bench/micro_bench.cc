@@ -177,6 +177,52 @@ void BM_GemmPV(benchmark::State& state) {
   SetFlops(state, 2.0 * tile.keys * tile.queries * tile.d);
 }
 
+// P V with V read in place from a [S, Hkv, Dv] tensor: row stride ldv floats
+// (Hkv * Dv), against the packed stride PaddedLd(Dv). Args: ldv; bq 64,
+// bkv 128, Dv 128.
+void BM_GemmPVStride(benchmark::State& state) {
+  const MicroKernels* mk = KernelsOr(state, KernelPath::kAvx512);
+  if (mk == nullptr) return;
+  const int64_t ldv = state.range(0);
+  Tile tile(128, 64, 128);
+  FillF32(tile.pt.data(), tile.pt.size(), 5);
+  for (int64_t i = 0; i < tile.queries; ++i) tile.alpha[i] = 1.0f;
+  const int64_t ldacc = PaddedLd(tile.d);
+  AlignedBuffer<float> v(tile.keys * ldv);
+  FillF32(v.data(), v.size(), 6);
+  for (auto _ : state) {
+    mk->gemm_f32(tile.queries, tile.d, tile.keys, tile.pt.data(), 1, tile.ld, v.data(), ldv,
+                 tile.acc.data(), ldacc, tile.alpha.data(), true);
+    benchmark::ClobberMemory();
+  }
+  SetFlops(state, 2.0 * tile.keys * tile.queries * tile.d);
+}
+
+// The fused forward tile with K read in place at row stride ldk (Hkv * D).
+// Args: ldk; bq 64, bkv 128, D 128.
+void BM_ForwardTileStride(benchmark::State& state) {
+  const MicroKernels* mk = KernelsOr(state, KernelPath::kAvx512);
+  if (mk == nullptr) return;
+  const int64_t ldk = state.range(0);
+  Tile tile(128, 64, 128);
+  AlignedBuffer<float> k(tile.keys * ldk);
+  FillF32(k.data(), k.size(), 7);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(tile.d));
+  kernels::micro::TileArgs t = tile.Args(scale);
+  t.k = k.data();
+  t.ldk = ldk;
+  for (int64_t i = 0; i < tile.queries; ++i) {
+    tile.row_max[i] = -std::numeric_limits<float>::infinity();
+    tile.row_sum[i] = 0.0f;
+  }
+  mk->forward_tile(t, tile.row_max.data(), tile.row_sum.data(), tile.alpha.data());
+  for (auto _ : state) {
+    mk->forward_tile(t, tile.row_max.data(), tile.row_sum.data(), tile.alpha.data());
+    benchmark::ClobberMemory();
+  }
+  SetFlops(state, 2.0 * tile.keys * tile.queries * tile.d);
+}
+
 // The fused forward tile (scores + lazy online softmax), steady state.
 void BM_ForwardTile(benchmark::State& state) {
   const auto path = static_cast<KernelPath>(state.range(0));
@@ -384,7 +430,9 @@ void FlashArgs(benchmark::internal::Benchmark* b) {
 
 BENCHMARK(BM_GemmScores)->Apply(TileArgsOf);
 BENCHMARK(BM_GemmPV)->Apply(TileArgsOf);
+BENCHMARK(BM_GemmPVStride)->Arg(144)->Arg(128)->Arg(256)->Arg(1024)->Arg(1040);
 BENCHMARK(BM_ForwardTile)->Apply(TileArgsOf);
+BENCHMARK(BM_ForwardTileStride)->Arg(128)->Arg(144)->Arg(256)->Arg(1024);
 BENCHMARK(BM_SoftmaxColumns)->Apply(TileArgsOf);
 BENCHMARK(BM_BackwardTile)->Apply(TileArgsOf);
 BENCHMARK(BM_GemmBf16Scores)->Args({64, 128, 128})->Args({64, 128, 64});

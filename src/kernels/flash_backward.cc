@@ -224,8 +224,8 @@ void FlashBackward(const FlashParams& p, ThreadPool& pool, const TensorView& dou
   const micro::MicroKernels& mk = micro::MicroKernelsFor(p.path);
   const bool capped = p.softcap > 0.0f;
   const QSide qs(p, dout, g, pool);
-  const KvRows kv(p, g, KvRows::KeyFormat::kF32Padded, pool);
   const TilePlan cols(p, g, /*by_column=*/true);
+  const KvRows kv(p, g, KvRows::KeyFormat::kF32Padded, cols.UsesPerKvTile(), pool);
   std::vector<WorkerStats> wstats(static_cast<size_t>(pool.size()));
 
   if (BackwardInOnePass(g, pool.size())) {

@@ -126,7 +126,16 @@ void TileMask::Fill(const TilePlan& plan, const micro::MicroKernels& mk, mask::B
                key_lo_.data(), key_hi_.data(), query_lo_.data(), query_hi_.data());
 }
 
-KvRows::KvRows(const FlashParams& p, const Geometry& g, KeyFormat keys, ThreadPool& pool) : g_(g) {
+double TilePlan::UsesPerKvTile() const {
+  const double computed = static_cast<double>(map_.Count(mask::BlockKind::kFull) +
+                                              map_.Count(mask::BlockKind::kPartial));
+  const double heads = map_.num_planes() == 1 ? static_cast<double>(g_.h) : 1.0;
+  return computed * heads / static_cast<double>(std::max<int64_t>(1, g_.hkv * g_.nkvb));
+}
+
+KvRows::KvRows(const FlashParams& p, const Geometry& g, KeyFormat keys, double uses,
+               ThreadPool& pool)
+    : g_(g) {
   const TensorView& k = p.k;
   const TensorView& v = p.v;
   for (int i = 0; i < 3; ++i) {
@@ -138,12 +147,12 @@ KvRows::KvRows(const FlashParams& p, const Geometry& g, KeyFormat keys, ThreadPo
     k_in_place_ = static_cast<const float*>(k.data);
     ldk_ = k.stride[1];
   }
-  // V is the B operand of P V, read in column panels of 64: in place only if
-  // its rows are back to back and a panel either spans whole rows (Dv <= 64)
-  // or does not alias in L1 (row strides of 512 bytes map a panel's rows onto
-  // half the sets; PaddedLd avoids that for packed tiles).
-  const bool v_rows_dense = v.dtype == DType::kF32 && v.stride[3] == 1 && v.stride[1] == g.dv;
-  if (v_rows_dense && g.dv % micro::kVec == 0 && (g.dv <= 64 || g.dv % 128 != 0)) {
+  // V (see the class comment): rows back to back with a panel spanning whole
+  // rows (Dv <= 64) read like a packed tile; otherwise only when packing
+  // would not pay.
+  const bool v_f32 = v.dtype == DType::kF32 && v.stride[3] == 1 && g.dv % micro::kVec == 0;
+  const bool v_like_packed = v.stride[1] == g.dv && (g.dv <= 64 || g.dv % 128 != 0);
+  if (v_f32 && (v_like_packed || uses < kPackMinUses)) {
     v_in_place_ = static_cast<const float*>(v.data);
     ldv_ = v.stride[1];
   }
@@ -153,17 +162,17 @@ KvRows::KvRows(const FlashParams& p, const Geometry& g, KeyFormat keys, ThreadPo
   if (pack_k) {
     if (keys == KeyFormat::kBf16) {
       k_elems_ = g.bkv * d2;
-      k_bf16_.Resize(static_cast<size_t>(tiles * k_elems_));
+      k_bf16_.Resize(static_cast<size_t>(tiles * k_elems_), /*zero=*/false);
     } else {
       ldk_ = g.ld_d;
       k_elems_ = g.bkv * g.ld_d;
-      k_packed_.Resize(static_cast<size_t>(tiles * k_elems_));
+      k_packed_.Resize(static_cast<size_t>(tiles * k_elems_), /*zero=*/false);
     }
   }
   if (pack_v) {
     ldv_ = g.ld_dv;
     v_elems_ = g.bkv * g.ld_dv;
-    v_packed_.Resize(static_cast<size_t>(tiles * v_elems_));
+    v_packed_.Resize(static_cast<size_t>(tiles * v_elems_), /*zero=*/false);
   }
   if (!pack_k && !pack_v) return;
   pool.ParallelFor(tiles, [&](int64_t t, int) {

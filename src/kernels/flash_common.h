@@ -37,6 +37,9 @@ class TilePlan {
   TilePlan(const FlashParams& p, const Geometry& g, bool by_column);
 
   const mask::BlockMap& map() const { return map_; }
+  // Computed tiles per kv tile, averaged over kv tiles (of one batch element,
+  // over all query heads of a kv head's group; segments not counted).
+  double UsesPerKvTile() const;
   bool has_segments() const { return has_segments_; }
   // Kind of tile (qb, kvb) for batch b given the map's kind for it.
   mask::BlockKind Refine(mask::BlockKind map_kind, int64_t b, int64_t qb, int64_t kvb) const;
@@ -76,15 +79,22 @@ class TileMask {
 };
 
 // Where the flash loops read the K and V rows of kv tile (b, kv head, kvb):
-// the caller's tensor itself when it is f32 with unit inner stride (K: any
-// row stride, it is only broadcast from; V: rows back to back and Dv a
-// multiple of kVec, since it is loaded in full vectors), else a copy packed
-// once per call (f32 rows with PaddedLd leading dimensions; bf16 rows of
-// RoundUp(D, 2) for the bf16 product path).
+// the caller's tensor itself when it is f32 with unit inner stride, else a
+// copy packed once per call (f32 rows with PaddedLd leading dimensions; bf16
+// rows of RoundUp(D, 2) for the bf16 product path).
+//   K (kF32): in place whenever possible — it is only broadcast from.
+//   V: the B operand of P V, loaded in full vectors, so in place needs Dv a
+//     multiple of kVec; and row strides of 512 bytes or more cost P V up to
+//     ~10 % (L1 set aliasing, TLB), which a copy avoids. A copy costs about
+//     three uses of a tile, so V is copied only when its tiles are used at
+//     least kPackMinUses times on average (`uses`: computed tiles per kv tile
+//     of a batch, over all query heads of its group) — dense masks and long
+//     rows, not sliding windows — or when it cannot be read in place.
 class KvRows {
  public:
   enum class KeyFormat { kF32, kF32Padded, kBf16 };  // kF32Padded: rows of ld_d, zero padded
-  KvRows(const FlashParams& p, const Geometry& g, KeyFormat keys, ThreadPool& pool);
+  static constexpr double kPackMinUses = 4.0;
+  KvRows(const FlashParams& p, const Geometry& g, KeyFormat keys, double uses, ThreadPool& pool);
   const float* Keys(int64_t b, int64_t kh, int64_t kvb) const;
   int64_t ldk() const { return ldk_; }
   const uint16_t* KeysBf16(int64_t b, int64_t kh, int64_t kvb) const;  // ld RoundUp(D, 2)

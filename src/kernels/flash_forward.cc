@@ -95,7 +95,8 @@ void FlashForward(const FlashParams& p, ThreadPool& pool, float* out, float* lse
   const micro::MicroKernels& mk = micro::MicroKernelsFor(p.path);
   const bool bf16 = UseBf16Scores(p, mk);
   const TilePlan plan(p, g, /*by_column=*/false);
-  const KvRows kv(p, g, bf16 ? KvRows::KeyFormat::kBf16 : KvRows::KeyFormat::kF32, pool);
+  const KvRows kv(p, g, bf16 ? KvRows::KeyFormat::kBf16 : KvRows::KeyFormat::kF32,
+                  plan.UsesPerKvTile(), pool);
   std::vector<WorkerStats> wstats(static_cast<size_t>(pool.size()));
 
   const int64_t d2 = RoundUp(g.d, 2);

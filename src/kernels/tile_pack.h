@@ -35,7 +35,8 @@ void PackTransposedBf16Pairs(const Slab& s, uint16_t* dst, int64_t ld);
 // B(r, c) for r < nr_pad (even), c < ld; zero padded.
 void PackRowsBf16Pairs(const Slab& s, uint16_t* dst, int64_t ld, int64_t nr_pad);
 
-// A zero-initialised 64-byte aligned array (scratch tiles, packed operands).
+// A 64-byte aligned array (scratch tiles, packed operands), zero-initialised
+// unless asked otherwise.
 template <typename T>
 class AlignedBuffer {
  public:
@@ -59,12 +60,16 @@ class AlignedBuffer {
   }
   ~AlignedBuffer() { Free(); }
 
-  void Resize(size_t n) {
+  // zero = false leaves the contents undefined: for buffers a packer fills
+  // completely anyway (saves a pass over memory that is then written again).
+  void Resize(size_t n, bool zero = true) {
     Free();
     if (n == 0) return;
     data_ = static_cast<T*>(::operator new (n * sizeof(T), std::align_val_t{64}));
     size_ = n;
-    for (size_t i = 0; i < n; ++i) data_[i] = T{};
+    if (zero) {
+      for (size_t i = 0; i < n; ++i) data_[i] = T{};
+    }
   }
   T* data() const { return data_; }
   size_t size() const { return size_; }

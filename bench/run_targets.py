@@ -1,0 +1,232 @@
+#!/usr/bin/env python3
+"""Runs the performance targets of docs/PERFORMANCE.md through `ringsplash bench`.
+
+Every case is one or two `ringsplash bench` runs (median of --iters timed
+iterations after --warmup, fraction_of_peak against the peak the same process
+measures), the memory case under `/usr/bin/time -v`, the MPI case under
+`mpirun`. Writes one JSON object per case to docs/perf/targets.jsonl:
+
+  {"case", "date", "cpu", "load_avg" (1-minute load before the case),
+   "metric", "value", "target", "pass", "runs": [the bench JSON lines]}
+
+Usage: bench/run_targets.py [--ringsplash build/ringsplash] [--out FILE]
+                            [--only CASE[,CASE...]] [--quick]
+--quick uses fewer iterations (a smoke test of the script, not a measurement).
+"""
+import argparse
+import datetime
+import json
+import os
+import re
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MPI_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+
+
+def cpu_name():
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+        for line in out.splitlines():
+            if line.startswith("Model name:"):
+                return line.split(":", 1)[1].strip()
+    except (OSError, subprocess.CalledProcessError):
+        pass
+    return "unknown"
+
+
+class Runner:
+    def __init__(self, binary, quick):
+        self.binary = binary
+        self.quick = quick
+
+    def iters(self, normal):
+        return ["--warmup", "1", "--iters", "2" if self.quick else str(normal)]
+
+    def bench(self, *args, iters=5, mpi_np=0, time_v=False):
+        """Runs one bench; returns (list of JSON results, max RSS in KiB or None)."""
+        cmd = [self.binary, "bench", *args]
+        if "--iters" not in args:
+            cmd += self.iters(iters)
+        env = dict(os.environ)
+        if mpi_np:
+            cmd = ["mpirun", "--oversubscribe", "-np", str(mpi_np), *cmd]
+            env.update(MPI_ENV)
+        if time_v:
+            cmd = ["/usr/bin/time", "-v", *cmd]
+        print("+", " ".join(cmd), file=sys.stderr, flush=True)
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-2000:]}")
+        runs = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+        rss = None
+        match = re.search(r"Maximum resident set size \(kbytes\): (\d+)", proc.stderr)
+        if match:
+            rss = int(match.group(1))
+        return runs, rss
+
+
+def fraction_case(r, name, target, *args):
+    runs, _ = r.bench(*args)
+    value = runs[0]["fraction_of_peak"]
+    return dict(case=name, metric="fraction_of_peak", value=value, target=f">= {target}",
+                passed=value >= target, runs=runs)
+
+
+# The single-device problem of the forward/backward rows: B=1, S=4096, H=Hkv=8,
+# full mask, 1 rank x 2 threads.
+BASE = ["--batch", "1", "--seq", "4096", "--heads", "8", "--kv-heads", "8", "--mask", "full",
+        "--ranks", "1", "--threads-per-rank", "2"]
+RING = ["--seq", "16384", "--heads", "8", "--kv-heads", "2", "--head-dim", "128",
+        "--mask", "causal", "--layout", "zigzag", "--pass", "fwdbwd"]
+
+
+def case_fwd_f32(r):
+    return fraction_case(r, "fwd_f32_d128", 0.75, *BASE, "--head-dim", "128", "--dtype", "f32")
+
+
+def case_fwd_bf16(r):
+    return fraction_case(r, "fwd_bf16_d128", 0.65, *BASE, "--head-dim", "128", "--dtype", "bf16")
+
+
+def case_fwd_f32_d64(r):
+    return fraction_case(r, "fwd_f32_d64", 0.60, *BASE, "--head-dim", "64", "--dtype", "f32")
+
+
+def case_bwd_f32(r):
+    return fraction_case(r, "bwd_f32_d128", 0.55, *BASE, "--head-dim", "128", "--dtype", "f32",
+                         "--pass", "bwd")
+
+
+def case_bwd_bf16(r):
+    return fraction_case(r, "bwd_bf16_d128", 0.45, *BASE, "--head-dim", "128", "--dtype", "bf16",
+                         "--pass", "bwd")
+
+
+def case_causal(r):
+    common = ["--seq", "8192", "--heads", "8", "--head-dim", "128", "--ranks", "1",
+              "--threads-per-rank", "2", "--pass", "fwd"]
+    full, _ = r.bench(*common, "--mask", "full", iters=3)
+    causal, _ = r.bench(*common, "--mask", "causal", iters=3)
+    value = causal[0]["seconds"] / full[0]["seconds"]
+    return dict(case="causal_vs_full_s8192", metric="causal seconds / full seconds", value=value,
+                target="<= 0.55", passed=value <= 0.55, runs=full + causal)
+
+
+def case_window(r):
+    common = ["--heads", "8", "--head-dim", "128", "--ranks", "1", "--threads-per-rank", "2",
+              "--pass", "fwd"]
+    window, _ = r.bench(*common, "--seq", "32768", "--mask", "causal&local:512,0")
+    full, _ = r.bench(*common, "--seq", "8192", "--mask", "full", iters=3)
+    value = window[0]["gflops"] / full[0]["gflops"]
+    return dict(case="window512_s32768", metric="window useful GFLOP/s / full-mask GFLOP/s (S=8192)",
+                value=value, target=">= 0.85", passed=value >= 0.85, runs=window + full)
+
+
+def ring_ratio(r, ring_runs):
+    """Ring GFLOP/s over the 1-rank x 2-thread run of the same problem, and the
+    largest fraction of an iteration any rank spent waiting for a slice."""
+    single, _ = r.bench(*RING, "--ranks", "1", "--threads-per-rank", "2", iters=3)
+    ring = ring_runs[0]
+    value = ring["gflops"] / single[0]["gflops"]
+    wait = max(w / ring["seconds"] for w in ring["comm_wait_seconds"]) if ring["seconds"] else 0
+    return value, wait, single
+
+
+def case_ring_threads(r):
+    ring, _ = r.bench(*RING, "--ranks", "2", "--threads-per-rank", "1", iters=3)
+    value, wait, single = ring_ratio(r, ring)
+    imbalance = ring[0]["imbalance"]
+    passed = value >= 0.90 and imbalance <= 1.05 and wait <= 0.05
+    return dict(case="ring_threads_2x1", metric="ring GFLOP/s / (1 rank x 2 threads) GFLOP/s",
+                value=value, target=">= 0.90, imbalance <= 1.05, comm_wait <= 5%",
+                passed=passed, imbalance=imbalance, comm_wait_fraction=wait,
+                runs=ring + single)
+
+
+def case_ring_mpi(r):
+    ring, _ = r.bench(*RING, "--backend", "mpi", "--threads-per-rank", "1", iters=3, mpi_np=2)
+    value, wait, single = ring_ratio(r, ring)
+    return dict(case="ring_mpi_2x1", metric="ring GFLOP/s / (1 rank x 2 threads) GFLOP/s",
+                value=value, target=">= 0.85", passed=value >= 0.85,
+                imbalance=ring[0]["imbalance"], comm_wait_fraction=wait, runs=ring + single)
+
+
+def case_memory(r):
+    # q, k, v, out (f32, [S, H=1, D=64]) and lse (f32, [H, S]) over all ranks.
+    def data_bytes(s):
+        return 4 * s * 64 * 4 + 4 * s
+
+    results = {}
+    runs = []
+    for s in (131072, 262144):
+        out, rss = r.bench("--seq", str(s), "--heads", "1", "--head-dim", "64", "--mask", "causal",
+                           "--ranks", "4", "--layout", "zigzag", "--pass", "fwd",
+                           "--warmup", "0", "--iters", "1", time_v=True)
+        results[s] = rss * 1024
+        runs += out
+    limit = 1.2 * data_bytes(262144) + 256 * 2**20
+    # Linear growth: the extra memory from S/2 to S is at most 1.2 x the extra data.
+    slope = (results[262144] - results[131072]) / (data_bytes(262144) - data_bytes(131072))
+    value = results[262144] / 2**20
+    return dict(case="memory_ring4_s262144", metric="peak RSS MiB (/usr/bin/time -v)",
+                value=value, target=f"<= {limit / 2**20:.0f} MiB (1.2 x data + 256 MiB), "
+                                    "growth <= 1.2 x data growth",
+                passed=results[262144] <= limit and slope <= 1.2,
+                rss_mib={str(s): v / 2**20 for s, v in results.items()},
+                data_mib=data_bytes(262144) / 2**20, growth_per_data_byte=slope, runs=runs)
+
+
+CASES = {
+    "fwd_f32": case_fwd_f32,
+    "fwd_bf16": case_fwd_bf16,
+    "fwd_f32_d64": case_fwd_f32_d64,
+    "bwd_f32": case_bwd_f32,
+    "bwd_bf16": case_bwd_bf16,
+    "causal": case_causal,
+    "window": case_window,
+    "ring_threads": case_ring_threads,
+    "ring_mpi": case_ring_mpi,
+    "memory": case_memory,
+}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ringsplash", default=os.path.join(ROOT, "build", "ringsplash"))
+    ap.add_argument("--out", default=os.path.join(ROOT, "docs", "perf", "targets.jsonl"))
+    ap.add_argument("--only", default="", help="comma list of: " + ",".join(CASES))
+    ap.add_argument("--quick", action="store_true")
+    a = ap.parse_args()
+    names = [n for n in a.only.split(",") if n] or list(CASES)
+    unknown = [n for n in names if n not in CASES]
+    if unknown:
+        ap.error(f"unknown case(s) {unknown}; known: {','.join(CASES)}")
+    runner = Runner(a.ringsplash, a.quick)
+    cpu = cpu_name()
+    os.makedirs(os.path.dirname(a.out), exist_ok=True)
+    failures = 0
+    with open(a.out, "w") as out:
+        for name in names:
+            load = os.getloadavg()[0]
+            try:
+                result = CASES[name](runner)
+            except RuntimeError as e:
+                result = dict(case=name, error=str(e), passed=False)
+            result = dict(case=result.pop("case"), date=datetime.date.today().isoformat(),
+                          cpu=cpu, load_avg=round(load, 2), **result)
+            result["pass"] = result.pop("passed")
+            failures += 0 if result["pass"] else 1
+            out.write(json.dumps(result) + "\n")
+            out.flush()
+            value = result.get("value")
+            print(f"{result['case']:24s} {result.get('metric', ''):55s} "
+                  f"{value if value is None else round(value, 3)!s:>8s}  "
+                  f"{result.get('target', '')}  {'PASS' if result['pass'] else 'MISS'}"
+                  f"  (load {load:.2f})", flush=True)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
