@@ -407,7 +407,7 @@ void BM_Flash(benchmark::State& state) {
 void FlashArgs(benchmark::internal::Benchmark* b) {
   const auto avx = static_cast<int64_t>(KernelPath::kAvx512);
   const auto bf = static_cast<int64_t>(KernelPath::kAvx512Bf16);
-  const BlockSizes def;
+  const BlockSizes def{128, 128};  // the recommended tile sizes (docs/PERFORMANCE.md)
   for (int64_t bwd : {0, 1}) {
     b->Args({avx, 2048, 128, 0, 0, bwd, def.q, def.kv});
     b->Args({avx, 2048, 64, 0, 0, bwd, def.q, def.kv});

@@ -22,6 +22,10 @@ import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Tile sizes of every run: 128 x 128 measured fastest on the reference machine
+# (docs/PERFORMANCE.md); passed explicitly so the figures do not depend on the
+# CLI's default.
+BLOCKS = ["--block-q", "128", "--block-kv", "128"]
 MPI_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
 
 
@@ -46,7 +50,7 @@ class Runner:
 
     def bench(self, *args, iters=5, mpi_np=0, time_v=False):
         """Runs one bench; returns (list of JSON results, max RSS in KiB or None)."""
-        cmd = [self.binary, "bench", *args]
+        cmd = [self.binary, "bench", *args, *BLOCKS]
         if "--iters" not in args:
             cmd += self.iters(iters)
         env = dict(os.environ)

@@ -85,15 +85,16 @@ class TileMask {
 //   K (kF32): in place whenever possible — it is only broadcast from.
 //   V: the B operand of P V, loaded in full vectors, so in place needs Dv a
 //     multiple of kVec; and row strides of 512 bytes or more cost P V up to
-//     ~10 % (L1 set aliasing, TLB), which a copy avoids. A copy costs about
-//     three uses of a tile, so V is copied only when its tiles are used at
+//     ~10 % (L1 set aliasing, TLB), which a copy avoids. A copy (into fresh,
+//     page-faulting memory) costs about as much as that penalty over six or
+//     seven uses of a tile, so V is copied only when its tiles are used at
 //     least kPackMinUses times on average (`uses`: computed tiles per kv tile
 //     of a batch, over all query heads of its group) — dense masks and long
 //     rows, not sliding windows — or when it cannot be read in place.
 class KvRows {
  public:
   enum class KeyFormat { kF32, kF32Padded, kBf16 };  // kF32Padded: rows of ld_d, zero padded
-  static constexpr double kPackMinUses = 4.0;
+  static constexpr double kPackMinUses = 8.0;
   KvRows(const FlashParams& p, const Geometry& g, KeyFormat keys, double uses, ThreadPool& pool);
   const float* Keys(int64_t b, int64_t kh, int64_t kvb) const;
   int64_t ldk() const { return ldk_; }
