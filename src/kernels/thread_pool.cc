@@ -18,6 +18,7 @@
 #include <condition_variable>
 #include <exception>
 #include <mutex>
+#include <system_error>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -108,12 +109,20 @@ ThreadPool::ThreadPool(int num_threads) : impl_(std::make_unique<Impl>()) {
   if (num_threads <= 0) {
     num_threads = std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
   }
-  impl_->size = num_threads;
   impl_->threads.reserve(static_cast<size_t>(num_threads - 1));
   for (int w = 1; w < num_threads; ++w) {
-    impl_->threads.emplace_back(
-        [impl = impl_.get(), w, owner = this] { impl->WorkerLoop(w, owner); });
+    try {
+      impl_->threads.emplace_back(
+          [impl = impl_.get(), w, owner = this] { impl->WorkerLoop(w, owner); });
+    } catch (const std::system_error&) {
+      // The OS refused another thread (pids limit, RLIMIT_NPROC, memory):
+      // run with the workers we got rather than fail or unwind past workers
+      // already waiting on this pool's condition variables. Results do not
+      // depend on the thread count.
+      break;
+    }
   }
+  impl_->size = static_cast<int>(impl_->threads.size()) + 1;
 }
 
 ThreadPool::~ThreadPool() {
