@@ -420,7 +420,7 @@ void FlashArgs(benchmark::internal::Benchmark* b) {
   for (int64_t seq : {512, 1024, 4096}) b->Args({avx, seq, 128, 0, 0, 0, def.q, def.kv});
   // Tile-size sweep of the f32 forward and backward.
   for (int64_t bwd : {0, 1}) {
-    for (int64_t bq : {32, 64, 128, 192}) {
+    for (int64_t bq : {32, 64, 128, 192, 256}) {
       for (int64_t bkv : {64, 128, 256}) b->Args({avx, 4096, 128, 0, 0, bwd, bq, bkv});
     }
   }

@@ -15,9 +15,11 @@
 
 #include "ringsplash/attention.h"
 #include "ringsplash/error.h"
+#include "src/kernels/combine.h"
 #include "src/kernels/cpu_features.h"
 #include "src/kernels/flash.h"
 #include "src/kernels/flash_common.h"
+#include "src/kernels/flash_merge.h"
 #include "src/kernels/micro.h"
 #include "src/kernels/thread_pool.h"
 #include "tests/support/reference.h"
@@ -954,6 +956,57 @@ TEST(FlashTest, BitwiseIdenticalAcrossThreadCounts) {
         EXPECT_EQ(std::memcmp(r1.dv.data(), rn.dv.data(), r1.dv.size() * 4), 0);
       }
     }
+  }
+}
+
+// Rows [lo, lo + n) of a [B, S, H, C] view.
+TensorView SliceRows(const TensorView& t, int64_t lo, int64_t n) {
+  TensorView s = t;
+  s.data = static_cast<char*>(t.data) + lo * t.stride[1] * static_cast<int64_t>(DTypeSize(t.dtype));
+  s.shape[1] = n;
+  return s;
+}
+
+TEST(FlashTest, ForwardMergeEqualsForwardThenMergePartial) {
+  ProblemSpec spec;
+  spec.b = 2;
+  spec.sq = 70;
+  spec.skv = 90;
+  spec.h = 4;
+  spec.hkv = 2;
+  spec.d = 32;
+  spec.dv = 48;
+  Problem prob(900, spec);
+  for (KernelPath path : SupportedKernelPaths()) {
+    RunConfig s;
+    s.path = path;
+    s.mask = Mask::Causal(-10);  // early queries see nothing of the first slice
+    const FlashParams p = prob.Params(s);
+    const int64_t split = 37;
+    FlashParams a = p, b = p;
+    a.k = SliceRows(p.k, 0, split);
+    a.v = SliceRows(p.v, 0, split);
+    b.k = SliceRows(p.k, split, spec.skv - split);
+    b.v = SliceRows(p.v, split, spec.skv - split);
+    b.kv_pos = p.kv_pos + split;
+    const size_t out_n = static_cast<size_t>(spec.b * spec.sq * spec.h * spec.dv);
+    const size_t lse_n = static_cast<size_t>(spec.b * spec.h * spec.sq);
+    ThreadPool pool(2);
+    // Expected: forward of each slice, then MergePartial.
+    std::vector<float> out(out_n), lse(lse_n), part(out_n), part_lse(lse_n);
+    kernels::FlashForward(a, pool, out.data(), lse.data(), nullptr);
+    std::vector<float> merged = out, merged_lse = lse;
+    kernels::FlashForward(b, pool, part.data(), part_lse.data(), nullptr);
+    kernels::MergePartial({spec.b, spec.sq, spec.h, spec.dv}, out.data(), lse.data(), part.data(),
+                          part_lse.data());
+    kernels::FlashForwardMerge(b, pool, merged.data(), merged_lse.data(), nullptr);
+    EXPECT_EQ(std::memcmp(out.data(), merged.data(), out_n * 4), 0) << KernelPathName(path);
+    EXPECT_EQ(std::memcmp(lse.data(), merged_lse.data(), lse_n * 4), 0) << KernelPathName(path);
+    // And both equal the forward over all keys (f32 rounding of the merge).
+    std::vector<float> whole(out_n), whole_lse(lse_n);
+    kernels::FlashForward(p, pool, whole.data(), whole_lse.data(), nullptr);
+    ExpectClose(merged, ToDoubleVec(whole), kF32Tol, "merged out");
+    ExpectClose(merged_lse, ToDoubleVec(whole_lse), kF32Tol, "merged lse");
   }
 }
 

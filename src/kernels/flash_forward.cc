@@ -21,8 +21,10 @@
 #include <limits>
 #include <vector>
 
+#include "src/kernels/combine.h"
 #include "src/kernels/flash.h"
 #include "src/kernels/flash_common.h"
+#include "src/kernels/flash_merge.h"
 #include "src/kernels/micro.h"
 #include "src/kernels/tile_pack.h"
 
@@ -63,31 +65,41 @@ struct Workspace {
   }
 };
 
-void FinishRows(const Geometry& g, int64_t b, int64_t h, int64_t qb, int64_t m, const Workspace& ws,
-                float* out, float* lse) {
+// out = acc / l and lse = m + log(l) for the task's rows (0 and -inf for a
+// row without keys); with `merge`, that partial result is merged into the
+// rows' existing (out, lse) by MergePartial, one row at a time.
+void FinishRows(const Geometry& g, int64_t b, int64_t h, int64_t qb, int64_t m, Workspace& ws,
+                bool merge, float* out, float* lse) {
   for (int64_t i = 0; i < m; ++i) {
     const int64_t row = qb * g.bq + i;
     float* o = out + ((b * g.sq + row) * g.h + h) * g.dv;
+    float* l_out = lse + (b * g.h + h) * g.sq + row;
+    // The row's partial result; in place of its accumulator when merging.
+    float* part = merge ? ws.acc.data() + i * g.ld_dv : o;
+    float part_lse = kNegInf;
     const float l = ws.row_sum[i];
     if (l > 0.0f) {
       const float* a = ws.acc.data() + i * g.ld_dv;
       const float inv = 1.0f / l;
-      for (int64_t c = 0; c < g.dv; ++c) o[c] = a[c] * inv;
-      lse[(b * g.h + h) * g.sq + row] = ws.row_max[i] + std::log(l);
+      for (int64_t c = 0; c < g.dv; ++c) part[c] = a[c] * inv;
+      part_lse = ws.row_max[i] + std::log(l);
     } else {
-      std::memset(o, 0, static_cast<size_t>(g.dv) * sizeof(float));
-      lse[(b * g.h + h) * g.sq + row] = kNegInf;
+      std::memset(part, 0, static_cast<size_t>(g.dv) * sizeof(float));
+    }
+    if (merge) {
+      MergePartial(RowShape{1, 1, 1, g.dv}, o, l_out, part, &part_lse);
+    } else {
+      *l_out = part_lse;
     }
   }
 }
 
-}  // namespace
-
-void FlashForward(const FlashParams& p, ThreadPool& pool, float* out, float* lse,
-                  KernelStats* stats) {
+void Forward(const FlashParams& p, ThreadPool& pool, bool merge, float* out, float* lse,
+             KernelStats* stats) {
   const Geometry g = Geometry::Of(p);
   if (g.b == 0 || g.sq == 0 || g.h == 0) return;
   if (g.skv == 0) {  // nothing to attend to: every row is empty
+    if (merge) return;
     std::memset(out, 0, static_cast<size_t>(g.b * g.sq * g.h * g.dv) * sizeof(float));
     for (int64_t i = 0; i < g.b * g.h * g.sq; ++i) lse[i] = kNegInf;
     return;
@@ -165,9 +177,21 @@ void FlashForward(const FlashParams& p, ThreadPool& pool, float* out, float* lse
     }
     st.computed += computed;
     st.skipped += g.nkvb - computed;
-    FinishRows(g, b, h, qb, m, ws, out, lse);
+    FinishRows(g, b, h, qb, m, ws, merge, out, lse);
   });
   AddStats(wstats, stats);
+}
+
+}  // namespace
+
+void FlashForward(const FlashParams& p, ThreadPool& pool, float* out, float* lse,
+                  KernelStats* stats) {
+  Forward(p, pool, /*merge=*/false, out, lse, stats);
+}
+
+void FlashForwardMerge(const FlashParams& p, ThreadPool& pool, float* out, float* lse,
+                       KernelStats* stats) {
+  Forward(p, pool, /*merge=*/true, out, lse, stats);
 }
 
 }  // namespace ringsplash::kernels
