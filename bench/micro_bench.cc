@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <limits>
 #include <random>
+#include <utility>
 #include <vector>
 
 #include "ringsplash/attention.h"
@@ -415,6 +416,10 @@ void FlashArgs(benchmark::internal::Benchmark* b) {
     b->Args({avx, 8192, 128, 0, 2, bwd, def.q, def.kv});
     b->Args({avx, 2048, 128, 1, 0, bwd, def.q, def.kv});
     b->Args({bf, 2048, 128, 1, 0, bwd, def.q, def.kv});
+  }
+  // Tile sizes of the sliding window.
+  for (const auto& [bq, bkv] : {std::pair<int64_t, int64_t>{64, 64}, {128, 64}, {256, 128}}) {
+    b->Args({avx, 8192, 128, 0, 2, 0, bq, bkv});
   }
   // Sequence sweep: K/V of one head in L2 (1024) or streamed from L3.
   for (int64_t seq : {512, 1024, 4096}) b->Args({avx, seq, 128, 0, 0, 0, def.q, def.kv});

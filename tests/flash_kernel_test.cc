@@ -224,6 +224,8 @@ TEST(KernelPathTest, SupportedAndResolve) {
 
 // --- Micro-kernels against plain loops ------------------------------------------
 
+int64_t RoundUpTo16(int64_t x) { return (x + 15) / 16 * 16; }
+
 std::vector<float> RandomFloats(Rng& rng, size_t n, float lo = -1.0f, float hi = 1.0f) {
   std::uniform_real_distribution<float> u(lo, hi);
   std::vector<float> v(n);
@@ -306,6 +308,31 @@ TEST(MicroKernelTest, GemmBf16MatchesDoubleLoopsOnRoundedInputs) {
         }
         // Products of bf16 values are exact in f32; only the f32 sums round.
         EXPECT_LE(worst, 1e-5 * static_cast<double>(2 * k2)) << m << " " << n << " " << k2;
+      }
+    }
+  }
+}
+
+TEST(MicroKernelTest, TransposeF32IsExact) {
+  Rng rng(7);
+  for (KernelPath path : SupportedKernelPaths()) {
+    const kernels::micro::MicroKernels& mk = kernels::micro::MicroKernelsFor(path);
+    for (int64_t rows : {1, 15, 16, 17, 64, 70}) {
+      for (int64_t cols : {1, 16, 31, 128}) {
+        const int64_t lds = cols + 3, ldd = RoundUpTo16(rows) + 16;
+        const std::vector<float> src = RandomFloats(rng, static_cast<size_t>(rows * lds));
+        std::vector<float> dst(static_cast<size_t>(cols * ldd + 8), -5.0f);
+        mk.transpose_f32(rows, cols, src.data(), lds, dst.data(), ldd);
+        for (int64_t c = 0; c < cols; ++c) {
+          for (int64_t r = 0; r < ldd; ++r) {
+            const float want = r < rows ? src[r * lds + c] : 0.0f;
+            ASSERT_EQ(dst[c * ldd + r], want)
+                << KernelPathName(path) << " " << rows << "x" << cols << " r" << r << " c" << c;
+          }
+        }
+        for (size_t o = static_cast<size_t>(cols * ldd); o < dst.size(); ++o) {
+          ASSERT_EQ(dst[o], -5.0f) << "wrote past the last column";
+        }
       }
     }
   }

@@ -43,7 +43,8 @@ struct QSide {
   int64_t qt_elems = 0, dot_elems = 0, q_elems = 0, do_elems = 0;
   AlignedBuffer<float> qt, dot, q, dout;
 
-  QSide(const FlashParams& p, const TensorView& dout_view, const Geometry& g, ThreadPool& pool) {
+  QSide(const FlashParams& p, const TensorView& dout_view, const Geometry& g,
+        const micro::MicroKernels& mk, ThreadPool& pool) {
     const int64_t tiles = g.b * g.h * g.nqb;
     qt_elems = g.d * g.ld_q;
     dot_elems = g.dv * g.ld_q;
@@ -58,8 +59,8 @@ struct QSide {
       const int64_t m = g.QRows(qb);
       const Slab qs{&p.q, b, h, qb * g.bq, m, g.d};
       const Slab ds{&dout_view, b, h, qb * g.bq, m, g.dv};
-      PackTransposedF32(qs, qt.data() + t * qt_elems, g.ld_q);
-      PackTransposedF32(ds, dot.data() + t * dot_elems, g.ld_q);
+      PackTransposed(mk, p.q, b, h, qb * g.bq, m, qt.data() + t * qt_elems, g.ld_q);
+      PackTransposed(mk, dout_view, b, h, qb * g.bq, m, dot.data() + t * dot_elems, g.ld_q);
       PackRowsF32(qs, q.data() + t * q_elems, g.ld_d, m);
       PackRowsF32(ds, dout.data() + t * do_elems, g.ld_dv, m);
     });
@@ -223,7 +224,7 @@ void FlashBackward(const FlashParams& p, ThreadPool& pool, const TensorView& dou
   if (g.b == 0 || g.sq == 0 || g.h == 0 || g.skv == 0) return;
   const micro::MicroKernels& mk = micro::MicroKernelsFor(p.path);
   const bool capped = p.softcap > 0.0f;
-  const QSide qs(p, dout, g, pool);
+  const QSide qs(p, dout, g, mk, pool);
   const TilePlan cols(p, g, /*by_column=*/true);
   const KvRows kv(p, g, KvRows::KeyFormat::kF32Padded, cols.UsesPerKvTile(), pool);
   std::vector<WorkerStats> wstats(static_cast<size_t>(pool.size()));

@@ -211,6 +211,17 @@ const float* KvRows::Values(int64_t b, int64_t kh, int64_t kvb) const {
   return v_packed_.data() + Tile(b, kh, kvb) * v_elems_;
 }
 
+void PackTransposed(const micro::MicroKernels& mk, const TensorView& t, int64_t b, int64_t head,
+                    int64_t r0, int64_t rows, float* dst, int64_t ld) {
+  const int64_t cols = t.shape[3];
+  if (t.dtype == DType::kF32 && t.stride[3] == 1) {
+    mk.transpose_f32(rows, cols, static_cast<const float*>(t.data) + t.Offset(b, r0, head, 0),
+                     t.stride[1], dst, ld);
+  } else {
+    PackTransposedF32(Slab{&t, b, head, r0, rows, cols}, dst, ld);
+  }
+}
+
 void AddStats(const std::vector<WorkerStats>& per_worker, KernelStats* stats) {
   if (stats == nullptr) return;
   KernelStats s;

@@ -117,6 +117,12 @@ class KvRows {
   AlignedBuffer<uint16_t> k_bf16_;
 };
 
+// Q^T (or dO^T) of rows [r0, r0 + rows) of head `head` of batch b of a
+// [B, S, H, C] view: dst[c * ld + r] for c < C, zero for r >= rows. f32 views
+// with unit inner stride go through the micro-kernels' transpose.
+void PackTransposed(const micro::MicroKernels& mk, const TensorView& t, int64_t b, int64_t head,
+                    int64_t r0, int64_t rows, float* dst, int64_t ld);
+
 // Grows a per-thread scratch buffer to at least n elements.
 template <typename T>
 T* Grow(AlignedBuffer<T>& buf, int64_t n) {

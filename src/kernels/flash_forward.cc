@@ -122,17 +122,15 @@ void Forward(const FlashParams& p, ThreadPool& pool, bool merge, float* out, flo
     Workspace& ws = Workspace::ForThisThread(g, bf16);
     WorkerStats& st = wstats[static_cast<size_t>(worker)];
 
-    const Slab qs{&p.q, b, h, qb * g.bq, m, g.d};
     if (bf16) {
-      PackTransposedBf16Pairs(qs, ws.qt_bf16.data(), g.ld_q);
+      PackTransposedBf16Pairs(Slab{&p.q, b, h, qb * g.bq, m, g.d}, ws.qt_bf16.data(), g.ld_q);
     } else {
-      PackTransposedF32(qs, ws.qt.data(), g.ld_q);
+      PackTransposed(mk, p.q, b, h, qb * g.bq, m, ws.qt.data(), g.ld_q);
     }
     for (int64_t i = 0; i < m; ++i) {
       ws.row_max[i] = kNegInf;
       ws.row_sum[i] = 0.0f;
     }
-    std::memset(ws.acc.data(), 0, static_cast<size_t>(m * g.ld_dv) * sizeof(float));
 
     micro::TileArgs t;
     t.queries = m;
@@ -168,8 +166,9 @@ void Forward(const FlashParams& p, ThreadPool& pool, bool merge, float* out, flo
           t.ldk = kv.ldk();
           mk.forward_tile(t, ws.row_max.data(), ws.row_sum.data(), ws.alpha.data());
         }
+        // The first tile initialises acc (a task with no tile never reads it).
         mk.gemm_f32_ranges(m, g.dvp, n, t.pt, 1, t.ldp, kv.Values(b, kh, kvb), kv.ldv(),
-                           ws.acc.data(), g.ld_dv, ws.alpha.data(), true, keys);
+                           ws.acc.data(), g.ld_dv, ws.alpha.data(), computed > 0, keys);
         ++computed;
         (kind == BlockKind::kFull ? st.full : st.partial) += 1;
         st.flops += 2 * m * n * (g.d + g.dv);

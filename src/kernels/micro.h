@@ -60,6 +60,12 @@ using GemmBf16Fn = void (*)(int64_t m, int64_t n, int64_t k2, const uint16_t* a,
                             const uint16_t* b, int64_t ldb, float* c, int64_t ldc,
                             const float* row_scale, bool accumulate);
 
+// dst[c * ldd + r] = src[r * lds + c] for r < rows, c < cols, and 0 for
+// rows <= r < ldd (ldd >= RoundUp(rows, kVec)): packs a Q (or dO) block of
+// f32 rows as Q^T.
+using TransposeF32Fn = void (*)(int64_t rows, int64_t cols, const float* src, int64_t lds,
+                                float* dst, int64_t ldd);
+
 // --- Tiles in the transposed layout -------------------------------------------
 // The flash loops hold score tiles TRANSPOSED: S^T = K Q^T with keys as rows
 // and queries as the 16 lanes of a vector. K (and V) rows are then read as
@@ -143,6 +149,7 @@ struct MicroKernels {
   GemmF32Fn gemm_f32 = nullptr;
   GemmF32RangesFn gemm_f32_ranges = nullptr;
   GemmBf16Fn gemm_bf16 = nullptr;  // only on the avx512_bf16 path
+  TransposeF32Fn transpose_f32 = nullptr;
   MaskBitsFn mask_bits = nullptr;
   SoftmaxColumnsFn softmax_columns = nullptr;
   ForwardTileFn forward_tile = nullptr;

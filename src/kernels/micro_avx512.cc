@@ -22,6 +22,7 @@ const MicroKernels& Avx512MicroKernels() {
     t.gemm_f32 = GemmF32Avx512;
     t.gemm_f32_ranges = GemmF32RangesAvx512;
     t.mask_bits = avx512::MaskBits;
+    t.transpose_f32 = avx512::TransposeF32;
     t.softmax_columns = avx512::SoftmaxColumns;
     t.forward_tile = avx512::ForwardTile;
     t.backward_tile = avx512::BackwardTile;

@@ -366,6 +366,58 @@ void Probs(const TileArgs& t, int64_t mp, const float* lse2, const uint16_t* fin
 
 }  // namespace
 
+// 16 x 16 blocks transposed in registers: unpack pairs of rows, then pairs
+// of 64-bit pairs, then two rounds of 128-bit lane shuffles.
+void TransposeF32(int64_t rows, int64_t cols, const float* src, int64_t lds, float* dst,
+                  int64_t ldd) {
+  for (int64_t r0 = 0; r0 < rows; r0 += 16) {
+    const int nr = static_cast<int>(std::min<int64_t>(16, rows - r0));
+    for (int64_t c0 = 0; c0 < cols; c0 += 16) {
+      const int nc = static_cast<int>(std::min<int64_t>(16, cols - c0));
+      const __mmask16 in = LaneMask(nc);
+      __m512 r[16], t[16];
+      RINGSPLASH_UNROLL
+      for (int i = 0; i < 16; ++i) {
+        r[i] = i < nr ? _mm512_maskz_loadu_ps(in, src + (r0 + i) * lds + c0) : _mm512_setzero_ps();
+      }
+      RINGSPLASH_UNROLL
+      for (int i = 0; i < 8; ++i) {
+        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+      }
+      RINGSPLASH_UNROLL
+      for (int i = 0; i < 4; ++i) {
+        const __m512d a = _mm512_castps_pd(t[4 * i]), b = _mm512_castps_pd(t[4 * i + 1]);
+        const __m512d c = _mm512_castps_pd(t[4 * i + 2]), d = _mm512_castps_pd(t[4 * i + 3]);
+        r[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
+        r[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
+        r[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
+        r[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
+      }
+      RINGSPLASH_UNROLL
+      for (int h = 0; h < 2; ++h) {
+        RINGSPLASH_UNROLL
+        for (int i = 0; i < 4; ++i) {
+          t[8 * h + i] = _mm512_shuffle_f32x4(r[8 * h + i], r[8 * h + 4 + i], 0x88);
+          t[8 * h + 4 + i] = _mm512_shuffle_f32x4(r[8 * h + i], r[8 * h + 4 + i], 0xdd);
+        }
+      }
+      RINGSPLASH_UNROLL
+      for (int i = 0; i < 8; ++i) {
+        r[i] = _mm512_shuffle_f32x4(t[i], t[8 + i], 0x88);
+        r[8 + i] = _mm512_shuffle_f32x4(t[i], t[8 + i], 0xdd);
+      }
+      // r[c] is column c0 + c over rows r0 .. r0 + 15 (zero beyond `rows`).
+      for (int c = 0; c < nc; ++c) _mm512_storeu_ps(dst + (c0 + c) * ldd + r0, r[c]);
+    }
+  }
+  // Lanes from RoundUp(rows, 16) to ldd.
+  const int64_t done = RoundUp(rows, kVec);
+  for (int64_t c = 0; c < cols; ++c) {
+    for (int64_t r = done; r < ldd; ++r) dst[c * ldd + r] = 0.0f;
+  }
+}
+
 void MaskBits(int64_t queries, int64_t keys, const uint8_t* bytes, int64_t ldb, uint16_t* bits,
               int64_t ldm, int32_t* key_lo, int32_t* key_hi, int32_t* query_lo, int32_t* query_hi) {
   for (int64_t i = 0; i < queries; ++i) key_lo[i] = key_hi[i] = 0;

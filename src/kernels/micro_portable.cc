@@ -60,6 +60,15 @@ void GemmF32Ranges(int64_t m, int64_t n, int64_t k, const float* a, int64_t a_rs
   }
 }
 
+void TransposeF32(int64_t rows, int64_t cols, const float* src, int64_t lds, float* dst,
+                  int64_t ldd) {
+  for (int64_t c = 0; c < cols; ++c) {
+    float* out = dst + c * ldd;
+    for (int64_t r = 0; r < rows; ++r) out[r] = src[r * lds + c];
+    std::fill(out + rows, out + ldd, 0.0f);
+  }
+}
+
 void MaskBits(int64_t queries, int64_t keys, const uint8_t* bytes, int64_t ldb, uint16_t* bits,
               int64_t ldm, int32_t* key_lo, int32_t* key_hi, int32_t* query_lo, int32_t* query_hi) {
   std::fill(bits, bits + keys * ldm, uint16_t{0});
@@ -147,6 +156,7 @@ const MicroKernels& PortableMicroKernels() {
     t.gemm_f32 = GemmF32;
     t.gemm_f32_ranges = GemmF32Ranges;
     t.mask_bits = MaskBits;
+    t.transpose_f32 = TransposeF32;
     t.softmax_columns = SoftmaxColumns;
     t.forward_tile = ForwardTile;
     t.backward_tile = BackwardTile;
