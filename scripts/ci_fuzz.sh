@@ -1,30 +1,30 @@
 #!/usr/bin/env bash
 # Fuzzing stage of CI (docs/RELIABILITY.md): builds the libFuzzer targets with
-# clang-14 + AddressSanitizer + UBSan and runs each for FUZZ_SECONDS seconds
+# clang-14 + AddressSanitizer + UBSan — in the ASan build directory of
+# scripts/ci_sanitizers.sh, configured the same way, so after the ASan stage
+# only the fuzzers themselves are compiled — and runs each for FUZZ_SECONDS seconds
 # (default 60), starting from the seed corpus (fuzz/corpus/<target>) and the
 # saved crash inputs (fuzz/regressions/<target>). New interesting inputs go to
 # a scratch directory, never into the repository.
 #
 # On a crash: the script fails, the input is saved as
-# $FUZZ_ARTIFACTS/<target>-crash-<hash> (default build-fuzz/artifacts). Turn it
+# $FUZZ_ARTIFACTS/<target>-crash-<hash> (default build-asan/fuzz-artifacts). Turn it
 # into a regression test by copying it to fuzz/regressions/<target>/ — the
 # corpus replay test (tests/reliability/fuzz_corpus_test.cc) then runs it in
 # every build — and fix the bug.
 #
 # Environment: FUZZ_SECONDS (per target), FUZZ_TARGETS (default all three),
-# FUZZ_BUILD_DIR (default build-fuzz), JOBS (build parallelism, default nproc).
+# JOBS (build parallelism, default nproc).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 seconds=${FUZZ_SECONDS:-60}
 targets=${FUZZ_TARGETS:-"npy mask_parse attention"}
-build=${FUZZ_BUILD_DIR:-build-fuzz}
-artifacts=${FUZZ_ARTIFACTS:-$build/artifacts}
+build=build-asan
+artifacts=${FUZZ_ARTIFACTS:-$build/fuzz-artifacts}
 jobs=${JOBS:-$(nproc)}
 
 start=$SECONDS
-cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=Release -DCMAKE_CXX_COMPILER=clang++-14 \
-  -DRINGSPLASH_FUZZ=ON -DRINGSPLASH_SANITIZE=address,undefined \
-  -DRINGSPLASH_TESTS=OFF -DRINGSPLASH_BENCH=OFF >/dev/null
+bash scripts/ci_sanitizers.sh configure-asan
 fuzzers=()
 for t in $targets; do fuzzers+=("${t}_fuzzer"); done
 cmake --build "$build" -j"$jobs" --target "${fuzzers[@]}"

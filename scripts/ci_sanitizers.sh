@@ -7,7 +7,12 @@
 #         pool, kernel thread-count invariance, the threads communicator, the
 #         ring over thread ranks (results and fault injection) and the
 #         determinism suite.
-# Usage: scripts/ci_sanitizers.sh [asan|tsan|all]   (default all)
+#   The ASan build also holds the libFuzzer targets (RINGSPLASH_FUZZ=ON: the
+#   library gets coverage instrumentation, which the tests tolerate), so
+#   scripts/ci_fuzz.sh links its fuzzers there instead of compiling the
+#   library a third time.
+# Usage: scripts/ci_sanitizers.sh [asan|tsan|all|configure-asan]   (default all)
+#   configure-asan: only (re)configure build-asan (used by ci_fuzz.sh).
 # Environment: JOBS (build/test parallelism, default nproc), SANITIZER_CXX
 # (default clang++-14), CTEST_ARGS (extra ctest arguments, e.g. -R Ring).
 set -euo pipefail
@@ -28,11 +33,15 @@ tsan_tests+="|RingTest|RingCoveringTest|RingFaultTest|Determinism"
 tsan_targets=(thread_pool_test attention_test flash_kernel_test comm_test ring_test
   ring_fault_test determinism_test)
 
+configure_asan() {
+  cmake -S . -B build-asan "${cmake_common[@]}" -DRINGSPLASH_SANITIZE=address,undefined \
+    "-DCMAKE_CXX_FLAGS=-fno-sanitize-recover=all" -DRINGSPLASH_FUZZ=ON >/dev/null
+}
+
 run_asan() {
   local start=$SECONDS
   echo "== ASan + UBSan: build"
-  cmake -S . -B build-asan "${cmake_common[@]}" -DRINGSPLASH_SANITIZE=address,undefined \
-    "-DCMAKE_CXX_FLAGS=-fno-sanitize-recover=all" >/dev/null
+  configure_asan
   cmake --build build-asan -j"$jobs"
   echo "== ASan + UBSan: ctest ($((SECONDS - start)) s so far)"
   # Leak checking stays on. Open MPI allocates at MPI_Init and does not free
@@ -66,5 +75,6 @@ case "$stage" in
   asan) run_asan ;;
   tsan) run_tsan ;;
   all) run_asan && run_tsan ;;
-  *) echo "usage: $0 [asan|tsan|all]" >&2; exit 2 ;;
+  configure-asan) configure_asan ;;
+  *) echo "usage: $0 [asan|tsan|all|configure-asan]" >&2; exit 2 ;;
 esac
