@@ -144,8 +144,6 @@ std::vector<PoisonCase> PoisonCases() {
        }},
       {"NaN in one dout row, causal + sinks", Mask::Causal(), false, true,
        [](OwnedInputs&, Tensor& dout) { SetRow(dout, 0, 70, 1, kNaN); }},
-      {"NaN sink of head 1", Mask::Causal(), false, true,
-       [](OwnedInputs& in, Tensor&) { in.sinks.data_as<float>()[1] = NAN; }},
       {"NaN q rows without any allowed key (inside partial tiles)", Mask::Causal(-50), false, false,
        [](OwnedInputs& in, Tensor&) {
          SetRow(in.q, 0, 40, 0, kNaN);
@@ -231,6 +229,23 @@ TEST(NumericsPoison, DependentForwardRowsAreNonFinite) {
 
 TEST(NumericsPoison, DependentGradientsAreNonFinite) {
   CheckAllPoisonCases(PoisonCheck::kPropagation, Outputs::kBackward);
+}
+
+// Sinks are parameters, not data: a non-finite sink is refused up front with
+// an Error naming sinks[h] (validate.cc) instead of poisoning a whole head.
+TEST(NumericsPoison, NonFiniteSinksAreRefused) {
+  Rng rng(5);
+  ProblemSpec spec(1, 16, 16, 2, 2, 16, 16);
+  spec.sinks = true;
+  OwnedInputs in = RandomInputs(rng, spec);
+  in.sinks.data_as<float>()[1] = NAN;
+  Tensor out(DType::kF32, {1, 16, 2, 16}), lse(DType::kF32, {1, 2, 16});
+  try {
+    AttentionForward(in.inputs(), AttentionOptions{}, out.view(), lse.view());
+    ADD_FAILURE() << "a NaN sink was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("sinks[1]"), std::string::npos) << e.what();
+  }
 }
 
 // ---- Large logits -------------------------------------------------------

@@ -5,7 +5,9 @@
 // masked pairs contributing nothing at all (not 0 * NaN). Rows are poisoned
 // whole (every element of the row is non-finite) by:
 //   lse[b,h,i]   q[b,i,h] non-finite and row i has an allowed key; or an
-//                allowed key row k[b,j,g] non-finite; or sinks[h] non-finite
+//                allowed key row k[b,j,g] non-finite
+// (Sinks are parameters, not data: a non-finite sink is refused with an
+// Error naming sinks[h]; the map still treats one as poisoning its head.)
 //   out[b,i,h]   lse poisoned, or an allowed value row v[b,j,g] non-finite
 //   dq[b,i,h]    out poisoned, or dout[b,i,h] non-finite        (call it PR)
 //   dk[b,j,g]    some row (b,h,i) of group g that allows j is PR
