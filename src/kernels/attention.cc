@@ -10,10 +10,14 @@
 // accumulators, FlashBackward, CopyConvert; dsinks from (sinks, lse, delta).
 // When a caller's view is already f32 and contiguous the kernels write into
 // it directly (no scratch, no copy).
+// Non-finite inputs (src/kernels/poison.h): one scan per call; only when it
+// finds something do the kernels run on cleaned copies, after which the rows
+// that depend on a poisoned input are overwritten with NaN.
 #include "ringsplash/attention.h"
 
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -23,6 +27,7 @@
 #include "ringsplash/error.h"
 #include "src/kernels/combine.h"
 #include "src/kernels/flash.h"
+#include "src/kernels/poison.h"
 #include "src/kernels/thread_pool.h"
 #include "src/kernels/validate.h"
 
@@ -154,6 +159,48 @@ class F32Buffer {
 
 kernels::RowShape RowShapeOf(const AttentionDims& d) { return {d.b, d.sq, d.h, d.dv}; }
 
+kernels::PairRule RuleOf(const AttentionInputs& in, const AttentionOptions& opt,
+                         const Prepared& pr) {
+  kernels::PairRule rule;
+  rule.mask = &opt.mask;
+  rule.q_pos = pr.q_pos.data();
+  rule.kv_pos = pr.kv_pos.data();
+  rule.q_segments = in.q_segments;
+  rule.kv_segments = in.kv_segments;
+  return rule;
+}
+
+// Cleaned copies of the poisoned inputs, pointed to by the kernel params.
+struct CleanInputs {
+  Tensor q, k, v;
+  void Apply(const kernels::InputScan& scan, Prepared& pr) {
+    if (scan.any_q) {
+      q = kernels::CleanCopy(pr.params.q);
+      pr.params.q = q.view();
+    }
+    if (scan.any_kv) {
+      k = kernels::CleanCopy(pr.params.k);
+      v = kernels::CleanCopy(pr.params.v);
+      pr.params.k = k.view();
+      pr.params.v = v.view();
+    }
+    kernels::CleanSinks(pr.sinks);
+  }
+};
+
+// Rows [B, H, Sq] whose lse / out depend on a poisoned q, k, v or sink.
+void ForwardPoison(const AttentionInputs& in, const AttentionOptions& opt, const Prepared& pr,
+                   const kernels::InputScan& scan, std::vector<char>& lse_p,
+                   std::vector<char>& out_p) {
+  const AttentionDims& d = pr.dims;
+  lse_p.assign(static_cast<size_t>(d.b * d.h * d.sq), 0);
+  out_p.assign(lse_p.size(), 0);
+  kernels::MarkForward(RuleOf(in, opt, pr), d, scan.any_kv ? scan.kv.data() : nullptr,
+                       scan.any_q ? scan.q.data() : nullptr, lse_p.data(), out_p.data());
+  kernels::MarkSinks(d, scan.sinks, lse_p.data());
+  for (size_t r = 0; r < lse_p.size(); ++r) out_p[r] |= lse_p[r];
+}
+
 }  // namespace
 
 void AttentionForward(const AttentionInputs& in, const AttentionOptions& opt, TensorView out,
@@ -162,6 +209,9 @@ void AttentionForward(const AttentionInputs& in, const AttentionOptions& opt, Te
   kernels::ValidateForwardOutputs(dims, in.q.dtype, out, lse);
   Prepared pr;
   Prepare(in, opt, dims, pr);
+  const kernels::InputScan scan = kernels::ScanInputs(in.q, in.k, in.v, pr.sinks);
+  CleanInputs clean;
+  if (scan.any()) clean.Apply(scan, pr);
 
   F32Buffer out32(out, {dims.b, dims.sq, dims.h, dims.dv}, /*zero=*/false, "out");
   F32Buffer lse32(lse, {dims.b, dims.h, dims.sq}, /*zero=*/false, "lse");
@@ -172,6 +222,12 @@ void AttentionForward(const AttentionInputs& in, const AttentionOptions& opt, Te
   }
   if (!pr.sinks.empty()) {
     kernels::ApplySinks(RowShapeOf(dims), out32.get(), lse32.get(), pr.sinks.data());
+  }
+  if (scan.any()) {
+    std::vector<char> lse_p, out_p;
+    ForwardPoison(in, opt, pr, scan, lse_p, out_p);
+    kernels::FillQueryRows(out32.get(), dims, dims.dv, out_p.data());
+    kernels::FillRows(lse32.get(), static_cast<int64_t>(lse_p.size()), 1, lse_p.data());
   }
   out32.Finish();
   lse32.Finish();
@@ -185,18 +241,84 @@ void AttentionBackward(const AttentionInputs& in, const AttentionOptions& opt, T
   kernels::ValidateBackwardArgs(dims, in, out, lse, dout, dq, dk, dv, dsinks);
   Prepared pr;
   Prepare(in, opt, dims, pr);
+  const kernels::InputScan scan = kernels::ScanInputs(in.q, in.k, in.v, pr.sinks);
+  std::vector<char> dout_bad, out_bad;
+  const bool any_dout = kernels::ScanRows(dout, 1, dout_bad);
+  const bool any_out = kernels::ScanRows(out, 1, out_bad);
+  const auto rows = static_cast<size_t>(dims.b * dims.h * dims.sq);
+  // lse rows that are NaN or +inf (-inf is an empty row, not poison).
+  std::vector<char> lse_bad(rows, 0);
+  bool any_lse = false;
+  for (int64_t b = 0; b < dims.b; ++b) {
+    for (int64_t h = 0; h < dims.h; ++h) {
+      for (int64_t i = 0; i < dims.sq; ++i) {
+        const float x = LoadAsF32(lse, lse.Offset(b, h, i));
+        if (std::isnan(x) || x == std::numeric_limits<float>::infinity()) {
+          lse_bad[static_cast<size_t>((b * dims.h + h) * dims.sq + i)] = 1;
+          any_lse = true;
+        }
+      }
+    }
+  }
+  const bool poisoned = scan.any() || any_dout || any_out || any_lse;
+
+  // Poison sets [B, H, Sq]: pr_rows (PR: out poisoned or bad dout; dq, dk,
+  // dsinks) and dv_src (lse poisoned or bad dout; dv).
+  std::vector<char> pr_rows, dv_src;
+  CleanInputs clean;
+  Tensor clean_dout;
+  if (poisoned) {
+    std::vector<char> lse_p, out_p;
+    ForwardPoison(in, opt, pr, scan, lse_p, out_p);
+    pr_rows.assign(rows, 0);
+    dv_src.assign(rows, 0);
+    for (int64_t b = 0; b < dims.b; ++b) {
+      for (int64_t h = 0; h < dims.h; ++h) {
+        for (int64_t i = 0; i < dims.sq; ++i) {
+          const auto r = static_cast<size_t>((b * dims.h + h) * dims.sq + i);
+          const auto t = static_cast<size_t>((b * dims.sq + i) * dims.h + h);
+          const bool lse_poisoned = lse_p[r] != 0 || lse_bad[r] != 0;
+          const bool out_poisoned = lse_poisoned || out_p[r] != 0 || (any_out && out_bad[t] != 0);
+          const bool dout_poisoned = any_dout && dout_bad[t] != 0;
+          lse_bad[r] = lse_poisoned;
+          pr_rows[r] = out_poisoned || dout_poisoned;
+          dv_src[r] = lse_poisoned || dout_poisoned;
+        }
+      }
+    }
+    clean.Apply(scan, pr);
+    if (any_dout) {
+      clean_dout = kernels::CleanCopy(dout);
+      dout = clean_dout.view();
+    }
+  }
 
   // delta [B, H, Sq] = rowsum(dout * out), from the caller's (possibly
   // rounded) out — the quantity the softmax backward needs for that out.
-  std::vector<float> delta(static_cast<size_t>(dims.b * dims.h * dims.sq));
+  // A non-finite delta belongs to a PR row, whose every dependant is
+  // overwritten below: 0 keeps the kernels finite.
+  std::vector<float> delta(rows);
   kernels::ComputeDelta(dout, out, delta.data());
+  if (poisoned) {
+    for (float& x : delta) {
+      if (!std::isfinite(x)) x = 0.0f;
+    }
+  }
 
-  // The kernels read lse as contiguous f32 [B, H, Sq].
+  // The kernels read lse as contiguous f32 [B, H, Sq]. Rows with a poisoned
+  // lse get -inf, the kernels' "no key" marker: P = 0, so they contribute
+  // nothing (their dependants are NaN-filled below).
   Tensor lse_copy;
   const float* lse32 = static_cast<const float*>(lse.data);
-  if (!IsF32Contiguous(lse)) {
+  if (!IsF32Contiguous(lse) || poisoned) {
     lse_copy = Tensor(DType::kF32, {dims.b, dims.h, dims.sq});
     CopyConvert(lse, lse_copy.view());
+    if (poisoned) {
+      float* l = lse_copy.data_as<float>();
+      for (size_t r = 0; r < rows; ++r) {
+        if (lse_bad[r] != 0) l[r] = -std::numeric_limits<float>::infinity();
+      }
+    }
     lse32 = lse_copy.data_as<float>();
   }
 
@@ -209,6 +331,15 @@ void AttentionBackward(const AttentionInputs& in, const AttentionOptions& opt, T
     kernels::FlashBackward(pr.params, lease.pool(), dout, lse32, delta.data(), dq32.get(),
                            dk32.get(), dv32.get(), &local);
   }
+  if (poisoned) {
+    const auto keys = static_cast<size_t>(dims.b * dims.skv * dims.hkv);
+    std::vector<char> dk_p(keys, 0), dv_p(keys, 0);
+    kernels::MarkBackward(RuleOf(in, opt, pr), dims, pr_rows.data(), dv_src.data(), dk_p.data(),
+                          dv_p.data());
+    kernels::FillQueryRows(dq32.get(), dims, dims.d, pr_rows.data());
+    kernels::FillRows(dk32.get(), static_cast<int64_t>(keys), dims.d, dk_p.data());
+    kernels::FillRows(dv32.get(), static_cast<int64_t>(keys), dims.dv, dv_p.data());
+  }
   dq32.Finish();
   dk32.Finish();
   dv32.Finish();
@@ -216,6 +347,13 @@ void AttentionBackward(const AttentionInputs& in, const AttentionOptions& opt, T
   if (!pr.sinks.empty()) {
     std::vector<float> ds(static_cast<size_t>(dims.h), 0.0f);
     kernels::AccumulateDSinks(RowShapeOf(dims), pr.sinks.data(), lse32, delta.data(), ds.data());
+    if (poisoned) {
+      for (size_t r = 0; r < rows; ++r) {
+        if (pr_rows[r] != 0)
+          ds[r / static_cast<size_t>(dims.sq) % static_cast<size_t>(dims.h)] =
+              std::numeric_limits<float>::quiet_NaN();
+      }
+    }
     for (int64_t h = 0; h < dims.h; ++h) StoreFromF32(dsinks, h * dsinks.stride[0], ds[h]);
   }
   if (stats != nullptr) *stats = local;

@@ -3,6 +3,7 @@
 #include <cmath>
 #include <cstring>
 #include <thread>
+#include <vector>
 
 #include "ringsplash/error.h"
 #include "src/kernels/combine.h"
@@ -23,7 +24,8 @@ SliceLayout::SliceLayout(const kernels::AttentionDims& d, DType dt, bool segment
   k_offset = 0;
   v_offset = AlignUp(k_offset + rows * static_cast<size_t>(d.d) * es);
   seg_offset = AlignUp(v_offset + rows * static_cast<size_t>(d.dv) * es);
-  bytes = AlignUp(seg_offset + (segments ? static_cast<size_t>(d.b * d.skv) * 4 : 0));
+  poison_offset = AlignUp(seg_offset + (segments ? static_cast<size_t>(d.b * d.skv) * 4 : 0));
+  bytes = AlignUp(poison_offset + 1 + rows);
 }
 
 TensorView SliceLayout::K(void* base) const {
@@ -42,10 +44,28 @@ TensorView SliceLayout::Segments(void* base) const {
                                 {dims.b, dims.skv});
 }
 
+bool SliceLayout::AnyPoison(const void* base) const {
+  return static_cast<const char*>(base)[poison_offset] != 0;
+}
+
+const char* SliceLayout::PoisonFlags(const void* base) const {
+  return static_cast<const char*>(base) + poison_offset + 1;
+}
+
 void SliceLayout::Pack(const AttentionInputs& local, void* base) const {
   CopyElements(local.k, K(base));
   CopyElements(local.v, V(base));
   if (has_segments) CopyElements(local.kv_segments, Segments(base));
+  std::vector<char> flags;
+  bool any = kernels::ScanRows(K(base), kernels::kKeyBad, flags);
+  any = kernels::ScanRows(V(base), kernels::kValueBad, flags) || any;
+  char* poison = static_cast<char*>(base) + poison_offset;
+  poison[0] = any ? 1 : 0;
+  std::memcpy(poison + 1, flags.data(), flags.size());
+  if (any) {
+    kernels::CleanInPlace(K(base));
+    kernels::CleanInPlace(V(base));
+  }
 }
 
 Tensor ByteBuffer(size_t bytes) {
@@ -60,6 +80,16 @@ kernels::FlashParams RingSetup::StepParams(const SliceLayout& layout, void* slic
   p.kv_segments = layout.Segments(slice);
   p.kv_pos = kv_pos[static_cast<size_t>(source)].data();
   return p;
+}
+
+kernels::PairRule RingSetup::Rule(const SliceLayout& layout, void* slice, int source) const {
+  kernels::PairRule rule;
+  rule.mask = params.mask;
+  rule.q_pos = q_pos.data();
+  rule.kv_pos = kv_pos[static_cast<size_t>(source)].data();
+  rule.q_segments = params.q_segments;
+  rule.kv_segments = layout.Segments(slice);
+  return rule;
 }
 
 RingSetup PrepareRing(Communicator& comm, const AttentionInputs& local, const RingOptions& options,

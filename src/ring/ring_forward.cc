@@ -16,11 +16,13 @@
 #include <cmath>
 #include <exception>
 #include <limits>
+#include <vector>
 
 #include "ringsplash/error.h"
 #include "ringsplash/ring.h"
 #include "src/kernels/combine.h"
 #include "src/kernels/flash.h"
+#include "src/kernels/poison.h"
 #include "src/kernels/thread_pool.h"
 #include "src/ring/ring_internal.h"
 
@@ -57,6 +59,17 @@ void ForwardSteps(Communicator& comm, const RingSetup& s, const AttentionInputs&
   Tensor part_lse(DType::kF32, {d.b, d.h, d.sq});
   kernels::ThreadPool pool(s.num_threads);
 
+  // Non-finite inputs (src/kernels/poison.h): local q rows and sinks are
+  // scanned here, each slice's k/v rows at its owner's Pack. The kernels see
+  // cleaned data; rows [B, H, Sq] that depend on a poisoned input collect in
+  // lse_p / out_p (only allocated once something is poisoned) and become NaN.
+  const kernels::InputScan scan = kernels::ScanInputs(local.q, TensorView(), TensorView(), s.sinks);
+  Tensor clean_q;
+  if (scan.any_q) clean_q = kernels::CleanCopy(local.q);
+  std::vector<float> sinks = s.sinks;
+  kernels::CleanSinks(sinks);
+  std::vector<char> lse_p, out_p;
+
   for (int t = 0; t < n; ++t) {
     const int src = ((s.rank - t) % n + n) % n;
     void* cur = scratch.slices[t % 2].data();
@@ -68,7 +81,18 @@ void ForwardSteps(Communicator& comm, const RingSetup& s, const AttentionInputs&
     RingStepStats step;
     step.source_rank = src;
     const Clock::time_point c0 = Clock::now();
-    const kernels::FlashParams params = s.StepParams(layout, cur, src);
+    kernels::FlashParams params = s.StepParams(layout, cur, src);
+    if (scan.any_q) params.q = clean_q.view();
+    const bool slice_poisoned = layout.AnyPoison(cur);
+    if (slice_poisoned || scan.any_q) {
+      if (lse_p.empty()) {
+        lse_p.assign(static_cast<size_t>(d.b * d.h * d.sq), 0);
+        out_p.assign(lse_p.size(), 0);
+      }
+      kernels::MarkForward(s.Rule(layout, cur, src), d,
+                           slice_poisoned ? layout.PoisonFlags(cur) : nullptr,
+                           scan.any_q ? scan.q.data() : nullptr, lse_p.data(), out_p.data());
+    }
     if (t == 0) {
       kernels::FlashForward(params, pool, out_acc.data_as<float>(), lse_acc.data_as<float>(),
                             &step.kernel);
@@ -87,9 +111,19 @@ void ForwardSteps(Communicator& comm, const RingSetup& s, const AttentionInputs&
     if (stats != nullptr) stats->forward_steps.push_back(step);
   }
   // Sinks join each row's denominator once, after every slice was merged.
-  if (!s.sinks.empty()) {
-    kernels::ApplySinks(s.Rows(), out_acc.data_as<float>(), lse_acc.data_as<float>(),
-                        s.sinks.data());
+  if (!sinks.empty()) {
+    kernels::ApplySinks(s.Rows(), out_acc.data_as<float>(), lse_acc.data_as<float>(), sinks.data());
+  }
+  if (scan.any_sinks && lse_p.empty()) {
+    lse_p.assign(static_cast<size_t>(d.b * d.h * d.sq), 0);
+    out_p.assign(lse_p.size(), 0);
+  }
+  if (!lse_p.empty()) {
+    kernels::MarkSinks(d, scan.sinks, lse_p.data());
+    for (size_t r = 0; r < lse_p.size(); ++r) out_p[r] |= lse_p[r];
+    kernels::FillQueryRows(out_acc.data_as<float>(), d, d.dv, out_p.data());
+    kernels::FillRows(lse_acc.data_as<float>(), static_cast<int64_t>(lse_p.size()), 1,
+                      lse_p.data());
   }
   // Checked: a finite out beyond an f16/bf16 range is an Error naming it.
   CopyConvert(out_acc.view(), out, "out");

@@ -17,6 +17,7 @@
 #include "ringsplash/tensor.h"
 #include "src/kernels/combine.h"
 #include "src/kernels/flash.h"
+#include "src/kernels/poison.h"
 #include "src/kernels/validate.h"
 
 namespace ringsplash::ring_internal {
@@ -30,18 +31,25 @@ void CopyElements(const TensorView& src, const TensorView& dst);
 //   k   [B, Skv, Hkv, D]   dtype of the inputs
 //   v   [B, Skv, Hkv, Dv]  dtype of the inputs
 //   seg [B, Skv]           i32, only with segment ids
-// Each section starts on a 64-byte boundary.
+//   poison: 1 byte "any row flagged", then [B, Skv, Hkv] bytes
+//           kernels::kKeyBad | kValueBad (src/kernels/poison.h)
+// Each section starts on a 64-byte boundary. k and v are packed CLEANED
+// (non-finite -> 0); which rows were not finite travels in the flags.
 struct SliceLayout {
   kernels::AttentionDims dims;  // local sizes (skv = rows of the slice)
   DType dtype = DType::kF32;
   bool has_segments = false;
-  size_t k_offset = 0, v_offset = 0, seg_offset = 0, bytes = 0;
+  size_t k_offset = 0, v_offset = 0, seg_offset = 0, poison_offset = 0, bytes = 0;
 
   SliceLayout(const kernels::AttentionDims& d, DType dt, bool segments);
   TensorView K(void* base) const;
   TensorView V(void* base) const;
   TensorView Segments(void* base) const;  // undefined without segment ids
-  // Copies this rank's own k, v (and kv segment ids) into `base`.
+  // Whether any key/value row of the slice was not finite; the row flags.
+  bool AnyPoison(const void* base) const;
+  const char* PoisonFlags(const void* base) const;
+  // Copies this rank's own k, v (cleaned), kv segment ids and poison flags
+  // into `base`.
   void Pack(const AttentionInputs& local, void* base) const;
 };
 
@@ -64,6 +72,8 @@ struct RingSetup {
   // The key/value slice of `source` lives in `slice` (packed per `layout`).
   kernels::FlashParams StepParams(const SliceLayout& layout, void* slice, int source) const;
   kernels::RowShape Rows() const { return {dims.b, dims.sq, dims.h, dims.dv}; }
+  // Which (local q row, row of `source`'s slice) pairs are allowed.
+  kernels::PairRule Rule(const SliceLayout& layout, void* slice, int source) const;
 };
 
 // Thrown, identically on every rank, when the ranks of one ring call passed
