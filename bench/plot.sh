@@ -54,7 +54,7 @@ set ylabel "useful GFLOP/s"
 set logscale x 2
 set xrange [768:11000]
 set yrange [0:*]
-set key outside right
+set key bottom right
 set grid
 plot "$tmp/fwd_f32.dat" using 1:2 with linespoints lw 2 pt 7 title "forward f32", \
      "$tmp/fwd_bf16.dat" using 1:2 with linespoints lw 2 pt 5 title "forward bf16", \

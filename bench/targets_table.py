@@ -1,0 +1,71 @@
+#!/usr/bin/env python3
+"""Prints docs/perf/targets.jsonl (bench/run_targets.py) as a Markdown table.
+
+Usage: bench/targets_table.py [targets.jsonl] > table.md
+"""
+import json
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+CASES = {
+    "fwd_f32_d128": "forward f32, B=1 S=4096 H=Hkv=8 D=128, full, 1 rank x 2 threads",
+    "fwd_bf16_d128": "forward bf16, same",
+    "fwd_f32_d64": "forward f32, same, D=64",
+    "bwd_f32_d128": "backward f32 (`--pass bwd`), S=4096 D=128",
+    "bwd_bf16_d128": "backward bf16, same",
+    "causal_vs_full_s8192": "causal vs full, S=8192, f32 forward",
+    "window512_s32768": "sliding window `causal&local:512,0`, S=32768",
+    "ring_threads_2x1": "ring, threads, 2 ranks x 1 thread, S=16384 H=8 Hkv=2 causal zigzag fwdbwd",
+    "ring_mpi_2x1": "ring, MPI, 2 processes x 1 thread, same",
+    "memory_ring4_s262144": "memory, causal zigzag ring of 4, S=262144 H=1 D=64, fwd",
+}
+
+
+def fmt(x, digits=3):
+    return f"{x:.{digits}f}" if isinstance(x, float) else str(x)
+
+
+def detail(r):
+    """What the measured value is made of, per case."""
+    runs = r.get("runs", [])
+    case = r["case"]
+    if "values" in r:
+        spread = "runs " + ", ".join(fmt(v) for v in r["values"])
+    else:
+        spread = ""
+    if case.startswith(("fwd", "bwd")):
+        gf = sorted(run["gflops"] for run in runs)
+        pk = sorted(run["peak_gflops"] for run in runs)
+        return f"{spread}; {gf[len(gf) // 2]:.0f} of {pk[len(pk) // 2]:.0f} GFLOP/s (median)"
+    if case.startswith("causal"):
+        return f"{spread}; seconds {runs[0]['seconds']:.2f} full, {runs[1]['seconds']:.2f} causal"
+    if case.startswith("window"):
+        return (f"{spread}; {runs[0]['gflops']:.0f} vs {runs[1]['gflops']:.0f} GFLOP/s")
+    if case.startswith("ring"):
+        return (f"{runs[0]['gflops']:.0f} vs {runs[1]['gflops']:.0f} GFLOP/s; imbalance "
+                f"{r['imbalance']:.3f}; max comm wait {100 * r['comm_wait_fraction']:.1f} % of an "
+                "iteration")
+    if case.startswith("memory"):
+        rss = r["rss_mib"]
+        return (f"RSS {rss['131072']:.0f} MiB at S=131072, {rss['262144']:.0f} MiB at S=262144; "
+                f"data {r['data_mib']:.0f} MiB; growth {r['growth_per_data_byte']:.2f} x data")
+    return spread
+
+
+def main():
+    path = sys.argv[1] if len(sys.argv) > 1 else os.path.join(ROOT, "docs", "perf", "targets.jsonl")
+    rows = [json.loads(line) for line in open(path) if line.strip()]
+    print("| case | target | measured | met | load | detail |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        value = r.get("value")
+        measured = "error" if value is None else fmt(value, 1 if value > 10 else 3)
+        print(f"| {CASES.get(r['case'], r['case'])} | {r.get('target', '')} | {measured} | "
+              f"{'yes' if r['pass'] else '**no**'} | {r['load_avg']} | "
+              f"{detail(r) if value is not None else r.get('error', '')[:80]} |")
+
+
+if __name__ == "__main__":
+    main()
