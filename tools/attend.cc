@@ -197,11 +197,6 @@ void RunAttendMpiRank(Communicator& comm, const AttendArgs& args, const AttendPl
   }
   comm.Barrier();
   ring_started = true;
-  std::vector<npy::NpyOutputFile> outputs;
-  for (size_t i = 0; i < specs.size(); ++i) {
-    outputs.push_back(
-        npy::NpyOutputFile::OpenExisting(temps[i], npy::NpyType::kF32, specs[i].shape));
-  }
 
   const std::vector<int64_t> q_pos =
       LayoutPositions(plan.layout, d.sq, rank, n, "q sequence length");
@@ -223,6 +218,14 @@ void RunAttendMpiRank(Communicator& comm, const AttendArgs& args, const AttendPl
   }
 
   progress.Phase("writing outputs");
+  // Opened only now: if a peer fails during the ring, rank 0 removes the
+  // temporaries while unwinding, and a slow rank must then report that
+  // failure, not "cannot open for writing".
+  std::vector<npy::NpyOutputFile> outputs;
+  for (size_t i = 0; i < specs.size(); ++i) {
+    outputs.push_back(
+        npy::NpyOutputFile::OpenExisting(temps[i], npy::NpyType::kF32, specs[i].shape));
+  }
   for (size_t i = 0; i < specs.size(); ++i) {
     const OutputSpec& s = specs[i];
     const float* data = r.Of(s.kind).data_as<float>();
