@@ -405,6 +405,49 @@ void BM_Flash(benchmark::State& state) {
       benchmark::Counter(stats.flops, benchmark::Counter::kIsIterationInvariantRate);
 }
 
+// FlashForward / FlashBackward alone (no argument checks, no conversions) on
+// `threads` threads, wall-clock time: the CLI's B=1, S, H=Hkv=8, D=128 full
+// problem with 128 x 128 tiles. Args: S, threads, backward (0/1), heads.
+void BM_FlashThreads(benchmark::State& state) {
+  const int64_t s = state.range(0), heads = state.range(3), d = 128;
+  const int threads = static_cast<int>(state.range(1));
+  const bool backward = state.range(2) != 0;
+  if (!Supported(KernelPath::kAvx512)) {
+    state.SkipWithError("kernel path not supported on this CPU");
+    return;
+  }
+  Tensor q(DType::kF32, {1, s, heads, d}), k(DType::kF32, {1, s, heads, d});
+  Tensor v(DType::kF32, {1, s, heads, d}), dout(DType::kF32, {1, s, heads, d});
+  for (Tensor* t : {&q, &k, &v, &dout}) {
+    FillF32(t->data_as<float>(), static_cast<size_t>(t->numel()), static_cast<uint32_t>(s));
+  }
+  const Mask mask = Mask::Full();
+  kernels::FlashParams p;
+  p.q = q.view();
+  p.k = k.view();
+  p.v = v.view();
+  p.mask = &mask;
+  p.scale = 1.0f / std::sqrt(static_cast<float>(d));
+  p.path = KernelPath::kAvx512;
+  p.blocks = BlockSizes{128, 128};
+  kernels::ThreadPool pool(threads);
+  const size_t rows = static_cast<size_t>(s * heads);
+  std::vector<float> out(rows * d), lse(rows), delta(rows, 0.1f);
+  std::vector<float> dq(out.size()), dk(out.size()), dv(out.size());
+  kernels::FlashForward(p, pool, out.data(), lse.data(), nullptr);
+  for (auto _ : state) {
+    if (backward) {
+      kernels::FlashBackward(p, pool, dout.view(), lse.data(), delta.data(), dq.data(), dk.data(),
+                             dv.data(), nullptr);
+    } else {
+      kernels::FlashForward(p, pool, out.data(), lse.data(), nullptr);
+    }
+    benchmark::ClobberMemory();
+  }
+  const double sd = static_cast<double>(s);
+  SetFlops(state, (backward ? 2.5 : 1.0) * 4.0 * d * sd * sd * heads);
+}
+
 void FlashArgs(benchmark::internal::Benchmark* b) {
   const auto avx = static_cast<int64_t>(KernelPath::kAvx512);
   const auto bf = static_cast<int64_t>(KernelPath::kAvx512Bf16);
@@ -444,6 +487,12 @@ BENCHMARK(BM_GemmBf16Scores)->Args({64, 128, 128})->Args({64, 128, 64});
 BENCHMARK(BM_PackTransposedF32)->Args({64, 128})->Args({64, 64});
 BENCHMARK(BM_PackRowsF32)->Args({128, 128, 0})->Args({128, 128, 1});
 BENCHMARK(BM_Flash)->Apply(FlashArgs);
+BENCHMARK(BM_FlashThreads)
+    ->ArgsProduct({{2048, 4096}, {1, 2}, {0, 1}, {8}})
+    ->ArgsProduct({{2048}, {1}, {0}, {1, 2, 4}})
+    ->ArgNames({"S", "threads", "bwd", "H"})
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond);
 
 }  // namespace
 }  // namespace ringsplash::bench

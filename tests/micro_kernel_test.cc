@@ -1,0 +1,471 @@
+// Tests of the micro-kernels (src/kernels/micro.h) on every supported
+// KernelPath: each one against plain double-precision loops over the same
+// inputs, with tolerances derived from f32 rounding in the comments.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "ringsplash/attention.h"
+#include "ringsplash/tensor.h"
+#include "src/kernels/cpu_features.h"
+#include "src/kernels/micro.h"
+#include "tests/support/test_util.h"
+
+namespace ringsplash {
+namespace {
+
+using testing::Rng;
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+int64_t RoundUpTo16(int64_t x) { return (x + 15) / 16 * 16; }
+
+std::vector<float> RandomFloats(Rng& rng, size_t n, float lo = -1.0f, float hi = 1.0f) {
+  std::uniform_real_distribution<float> u(lo, hi);
+  std::vector<float> v(n);
+  for (float& x : v) x = u(rng);
+  return v;
+}
+
+TEST(MicroKernelTest, GemmF32MatchesDoubleLoopsOnEveryPath) {
+  Rng rng(1);
+  for (KernelPath path : SupportedKernelPaths()) {
+    const kernels::micro::MicroKernels& mk = kernels::micro::MicroKernelsFor(path);
+    for (int64_t m : {1, 5, 6, 8, 13, 64}) {
+      for (int64_t n : {16, 48, 64, 80, 144}) {
+        for (int64_t k : {0, 1, 7, 128}) {
+          for (int layout = 0; layout < 3; ++layout) {
+            // layout 0: A row-major; 1: A transposed; 2: general strides.
+            const int64_t a_rs = layout == 0 ? k + 3 : layout == 1 ? 1 : 2 * k + 1;
+            const int64_t a_cs = layout == 0 ? 1 : layout == 1 ? m + 2 : 2;
+            const size_t a_size = static_cast<size_t>((m + 2) * (a_rs + 1) + (k + 1) * a_cs);
+            const std::vector<float> a = RandomFloats(rng, a_size);
+            const int64_t ldb = n + 16, ldc = n + 32;
+            const std::vector<float> b = RandomFloats(rng, static_cast<size_t>(k * ldb + 1));
+            const std::vector<float> c0 = RandomFloats(rng, static_cast<size_t>(m * ldc));
+            const std::vector<float> rs = RandomFloats(rng, static_cast<size_t>(m));
+            for (int mode = 0; mode < 3; ++mode) {  // overwrite, +=, row-scaled +=
+              std::vector<float> c = c0;
+              mk.gemm_f32(m, n, k, a.data(), a_rs, a_cs, b.data(), ldb, c.data(), ldc,
+                          mode == 2 ? rs.data() : nullptr, mode != 0);
+              double worst = 0;
+              for (int64_t i = 0; i < m; ++i) {
+                for (int64_t j = 0; j < ldc; ++j) {
+                  const size_t o = static_cast<size_t>(i * ldc + j);
+                  if (j >= n) {  // outside the tile: untouched
+                    ASSERT_EQ(c[o], c0[o]);
+                    continue;
+                  }
+                  double e = mode == 0 ? 0.0 : mode == 1 ? c0[o] : double{rs[i]} * c0[o];
+                  for (int64_t p = 0; p < k; ++p) {
+                    e += double{a[i * a_rs + p * a_cs]} * b[p * ldb + j];
+                  }
+                  worst = std::max(worst, std::abs(c[o] - e));
+                }
+              }
+              // k <= 128 products of |x| <= 1 in f32: error <= k * 2^-24 * k.
+              EXPECT_LE(worst, 1e-5 * (1.0 + static_cast<double>(k)))
+                  << KernelPathName(path) << " m=" << m << " n=" << n << " k=" << k
+                  << " layout=" << layout << " mode=" << mode;
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(MicroKernelTest, GemmBf16MatchesDoubleLoopsOnRoundedInputs) {
+  const kernels::micro::MicroKernels& mk = kernels::micro::MicroKernelsFor(KernelPath::kAvx512Bf16);
+  if (!kernels::DetectCpuFeatures().avx512_bf16) GTEST_SKIP() << "no AVX512_BF16";
+  Rng rng(2);
+  for (int64_t m : {1, 7, 8, 64}) {
+    for (int64_t n : {16, 32, 64, 112}) {
+      for (int64_t k2 : {1, 3, 64}) {
+        const int64_t lda = 2 * k2 + 4, ldb = n + 16, ldc = n;
+        std::vector<uint16_t> a(static_cast<size_t>(m * lda)), b(static_cast<size_t>(k2 * ldb * 2));
+        std::uniform_real_distribution<float> u(-1, 1);
+        for (auto& x : a) x = F32ToBF16(u(rng));
+        for (auto& x : b) x = F32ToBF16(u(rng));
+        std::vector<float> c(static_cast<size_t>(m * ldc));
+        mk.gemm_bf16(m, n, k2, a.data(), lda, b.data(), ldb, c.data(), ldc, nullptr, false);
+        double worst = 0;
+        for (int64_t i = 0; i < m; ++i) {
+          for (int64_t j = 0; j < n; ++j) {
+            double e = 0;
+            for (int64_t p = 0; p < 2 * k2; ++p) {
+              e +=
+                  double{BF16ToF32(a[i * lda + p])} * BF16ToF32(b[((p / 2) * ldb + j) * 2 + p % 2]);
+            }
+            worst = std::max(worst, std::abs(c[i * ldc + j] - e));
+          }
+        }
+        // Products of bf16 values are exact in f32; only the f32 sums round.
+        EXPECT_LE(worst, 1e-5 * static_cast<double>(2 * k2)) << m << " " << n << " " << k2;
+      }
+    }
+  }
+}
+
+TEST(MicroKernelTest, TransposeF32IsExact) {
+  Rng rng(7);
+  for (KernelPath path : SupportedKernelPaths()) {
+    const kernels::micro::MicroKernels& mk = kernels::micro::MicroKernelsFor(path);
+    for (int64_t rows : {1, 15, 16, 17, 64, 70}) {
+      for (int64_t cols : {1, 16, 31, 128}) {
+        const int64_t lds = cols + 3, ldd = RoundUpTo16(rows) + 16;
+        const std::vector<float> src = RandomFloats(rng, static_cast<size_t>(rows * lds));
+        std::vector<float> dst(static_cast<size_t>(cols * ldd + 8), -5.0f);
+        mk.transpose_f32(rows, cols, src.data(), lds, dst.data(), ldd);
+        for (int64_t c = 0; c < cols; ++c) {
+          for (int64_t r = 0; r < ldd; ++r) {
+            const float want = r < rows ? src[r * lds + c] : 0.0f;
+            ASSERT_EQ(dst[c * ldd + r], want)
+                << KernelPathName(path) << " " << rows << "x" << cols << " r" << r << " c" << c;
+          }
+        }
+        for (size_t o = static_cast<size_t>(cols * ldd); o < dst.size(); ++o) {
+          ASSERT_EQ(dst[o], -5.0f) << "wrote past the last column";
+        }
+      }
+    }
+  }
+}
+
+TEST(MicroKernelTest, MaskBitsTransposesAndFindsRanges) {
+  Rng rng(5);
+  for (KernelPath path : SupportedKernelPaths()) {
+    const kernels::micro::MicroKernels& mk = kernels::micro::MicroKernelsFor(path);
+    for (int64_t queries : {1, 16, 37, 64}) {
+      for (int64_t keys : {1, 63, 64, 100, 128}) {
+        const int64_t ldb = 144, ldm = (queries + 15) / 16 + 1;
+        std::vector<uint8_t> bytes(static_cast<size_t>(queries * ldb), 7);  // 7: outside
+        // Rows of every kind: empty, one key, a band, random.
+        for (int64_t i = 0; i < queries; ++i) {
+          for (int64_t j = 0; j < keys; ++j) {
+            const int kind = static_cast<int>(i % 4);
+            bytes[i * ldb + j] = kind == 0   ? 0
+                                 : kind == 1 ? j == (i * 7) % keys
+                                 : kind == 2 ? (j >= i / 2 && j < i / 2 + 20)
+                                             : (rng() % 2) * 3;
+          }
+        }
+        std::vector<uint16_t> bits(static_cast<size_t>(keys * ldm), 0xAAAA);
+        std::vector<int32_t> klo(queries, -1), khi(queries, -1), qlo(keys, -1), qhi(keys, -1);
+        mk.mask_bits(queries, keys, bytes.data(), ldb, bits.data(), ldm, klo.data(), khi.data(),
+                     qlo.data(), qhi.data());
+        for (int64_t j = 0; j < keys; ++j) {
+          int64_t lo = -1, hi = 0;
+          for (int64_t i = 0; i < ldm * 16; ++i) {
+            const bool allowed = i < queries && bytes[i * ldb + j] != 0;
+            ASSERT_EQ(kernels::micro::Allowed(bits.data(), ldm, j, i), allowed)
+                << KernelPathName(path) << " q" << queries << " k" << keys << " j" << j;
+            if (allowed && lo < 0) lo = i;
+            if (allowed) hi = i + 1;
+          }
+          EXPECT_EQ(qlo[j], lo < 0 ? 0 : lo);
+          EXPECT_EQ(qhi[j], hi);
+        }
+        for (int64_t i = 0; i < queries; ++i) {
+          int64_t lo = -1, hi = 0;
+          for (int64_t j = 0; j < keys; ++j) {
+            if (bytes[i * ldb + j] != 0 && lo < 0) lo = j;
+            if (bytes[i * ldb + j] != 0) hi = j + 1;
+          }
+          EXPECT_EQ(klo[i], lo < 0 ? 0 : lo);
+          EXPECT_EQ(khi[i], hi);
+        }
+      }
+    }
+  }
+}
+
+TEST(MicroKernelTest, GemmF32RangesSkipsOnlyZeroTerms) {
+  // A is zero outside each row's range; the ranged product must equal the
+  // full one (the same terms in the same order, minus exact zeros). Finite
+  // garbage outside the ranges of B rows that no row needs must not matter.
+  Rng rng(6);
+  for (KernelPath path : SupportedKernelPaths()) {
+    const kernels::micro::MicroKernels& mk = kernels::micro::MicroKernelsFor(path);
+    for (int64_t m : {1, 6, 13, 64}) {
+      for (int64_t n : {16, 64, 80}) {
+        const int64_t k = 100, lda = k + 4, ldb = n + 16, ldc = n + 16;
+        std::vector<float> a(static_cast<size_t>(m * lda), 0.0f);
+        std::vector<int32_t> lo(m), hi(m);
+        for (int64_t i = 0; i < m; ++i) {
+          lo[i] = static_cast<int32_t>((i * 13) % 60);
+          hi[i] = i % 5 == 0 ? lo[i] : static_cast<int32_t>(lo[i] + 1 + (i * 7) % 40);
+          for (int64_t p = lo[i]; p < hi[i]; ++p) a[i * lda + p] = RandomFloats(rng, 1)[0];
+        }
+        const std::vector<float> b = RandomFloats(rng, static_cast<size_t>(k * ldb));
+        const std::vector<float> c0 = RandomFloats(rng, static_cast<size_t>(m * ldc));
+        const std::vector<float> rs = RandomFloats(rng, static_cast<size_t>(m));
+        for (int mode = 0; mode < 3; ++mode) {
+          std::vector<float> full = c0, ranged = c0;
+          const float* scale = mode == 2 ? rs.data() : nullptr;
+          mk.gemm_f32(m, n, k, a.data(), lda, 1, b.data(), ldb, full.data(), ldc, scale, mode != 0);
+          mk.gemm_f32_ranges(m, n, k, a.data(), lda, 1, b.data(), ldb, ranged.data(), ldc, scale,
+                             mode != 0, kernels::micro::KRanges{lo.data(), hi.data()});
+          for (size_t o = 0; o < full.size(); ++o) {
+            // x + 0 == x exactly, so skipping zero terms changes nothing.
+            ASSERT_EQ(full[o], ranged[o]) << KernelPathName(path) << " m" << m << " n" << n;
+          }
+        }
+      }
+    }
+  }
+}
+
+// A random transposed tile (micro.h TileArgs): keys x queries, D = 40, with
+// a mask that allows about 2/3 of the pairs and masks query 3 entirely.
+struct RandomTile {
+  static constexpr int64_t kKeys = 19, kQueries = 37, kD = 40, kDv = 24;
+  static constexpr int64_t kMp = 48, kLd = 64;  // mp = RoundUp(37, 16); leading dims >= mp
+  std::vector<float> k, qt, v, dot, pt, ds, deriv, scratch;
+  std::vector<uint8_t> mask;   // transposed bytes: mask[j * kLd + i]
+  std::vector<uint16_t> bits;  // the same as the kernels take it (micro::Allowed)
+  float scale = 0.125f;
+
+  explicit RandomTile(Rng& rng, float spread)
+      : k(RandomFloats(rng, kKeys * kD, -spread, spread)),
+        qt(static_cast<size_t>(kD * kLd), 0.0f),
+        v(RandomFloats(rng, kKeys * kDv)),
+        dot(static_cast<size_t>(kDv * kLd), 0.0f),
+        pt(static_cast<size_t>(kKeys * kLd), -9.0f),
+        ds(static_cast<size_t>(kKeys * kLd), -9.0f),
+        deriv(static_cast<size_t>(kKeys * kLd), 0.0f),
+        scratch(static_cast<size_t>(3 * kMp) + 64),
+        mask(static_cast<size_t>(kKeys * kLd), 0),
+        bits(static_cast<size_t>(kKeys * kLd / 16), 0) {
+    std::uniform_real_distribution<float> u(-spread, spread), w(-1, 1);
+    for (int64_t p = 0; p < kD; ++p) {
+      for (int64_t i = 0; i < kQueries; ++i) qt[p * kLd + i] = u(rng);
+    }
+    for (int64_t c = 0; c < kDv; ++c) {
+      for (int64_t i = 0; i < kQueries; ++i) dot[c * kLd + i] = w(rng);
+    }
+    for (int64_t j = 0; j < kKeys; ++j) {
+      for (int64_t i = 0; i < kQueries; ++i) {
+        mask[j * kLd + i] = i != 3 && (rng() % 3) != 0;
+        if (mask[j * kLd + i] != 0) bits[j * (kLd / 16) + i / 16] |= uint16_t(1u << (i % 16));
+      }
+    }
+  }
+  // 64-byte aligned scratch, as the kernels require.
+  float* AlignedScratch() {
+    auto addr = reinterpret_cast<uintptr_t>(scratch.data());
+    return scratch.data() + ((64 - addr % 64) % 64) / sizeof(float);
+  }
+  kernels::micro::TileArgs Args(bool masked, float softcap) {
+    kernels::micro::TileArgs t;
+    t.keys = kKeys;
+    t.queries = kQueries;
+    t.d = kD;
+    t.k = k.data();
+    t.ldk = kD;
+    t.qt = qt.data();
+    t.ldq = kLd;
+    t.pt = pt.data();
+    t.ldp = kLd;
+    t.mask = masked ? bits.data() : nullptr;
+    t.ldm = kLd / 16;
+    t.scale = scale;
+    t.softcap = softcap;
+    t.scratch = AlignedScratch();
+    return t;
+  }
+  // The logit of (key j, query i) in double, -inf where masked.
+  double Logit(int64_t j, int64_t i, bool masked, float softcap) const {
+    double s = 0;
+    for (int64_t p = 0; p < kD; ++p) s += double{k[j * kD + p]} * qt[p * kLd + i];
+    double x = double{scale} * s;
+    if (softcap > 0) x = softcap * std::tanh(x / softcap);
+    return masked && mask[j * kLd + i] == 0 ? -kInf : x;
+  }
+  // Rounding bound of the kernels' f32 logit: D products summed in f32 err by
+  // ~sqrt(D) 2^-24 sum |products| (random signs), scaled; 4x margin. (A soft
+  // cap only shrinks errors: |tanh'| <= 1.)
+  double LogitErr(int64_t j, int64_t i) const {
+    double s = 0;
+    for (int64_t p = 0; p < kD; ++p) s += std::abs(double{k[j * kD + p]} * qt[p * kLd + i]);
+    return 4.0 * std::sqrt(double{kD}) * 0x1p-24 * scale * s;
+  }
+};
+
+// The contract shared by SoftmaxColumnsFn (exact) and ForwardTileFn (exact or
+// lazy): with M = the new row_max (0 if -inf), P^T = exp(x - M), alpha =
+// exp(old max - M), row_sum = alpha old_sum + sum_j P^T, and M >= the old max
+// (equal when lazy). Returns whether the step was lazy (alpha == 1 with an
+// unchanged finite max).
+bool CheckForwardStep(const RandomTile& tile, bool masked, float softcap,
+                      const std::vector<float>& max0, const std::vector<float>& sum0,
+                      const std::vector<float>& row_max, const std::vector<float>& row_sum,
+                      const std::vector<float>& alpha, const std::string& what) {
+  bool lazy = true;
+  for (int64_t i = 0; i < RandomTile::kQueries; ++i) {
+    const double shift = row_max[i] == -kInf ? 0.0 : row_max[i];
+    double mx = -kInf, sum = 0, mx_err = 0;
+    for (int64_t j = 0; j < RandomTile::kKeys; ++j) {
+      const double x = tile.Logit(j, i, masked, softcap);
+      if (x != -kInf) mx_err = std::max(mx_err, tile.LogitErr(j, i));
+      mx = std::max(mx, x);
+      const double p = std::exp(x - shift);
+      sum += p;
+      // exp's argument is the f32 logit (LogitErr) minus the shift, each
+      // also rounded relative to its magnitude (~2^-24 |x|, |shift|), and the
+      // polynomial adds ~2e-7 relative: 4x margin on the last two.
+      const double arg_err = tile.LogitErr(j, i) +
+                             4.0 * 0x1p-24 * ((x != -kInf ? std::abs(x) : 0.0) + std::abs(shift));
+      const double tol = 1e-7 + p * (arg_err + 8e-7);
+      const float got = tile.pt[j * RandomTile::kLd + i];
+      // Whatever the step, nothing may come near overflow.
+      if (!(std::abs(got - p) <= tol) || !(got <= kernels::micro::kLazySumLimit)) {
+        ADD_FAILURE() << what << " j=" << j << " i=" << i << ": P^T " << got << " expected " << p
+                      << " +- " << tol;
+        return false;
+      }
+    }
+    if (max0[i] == -kInf || mx > max0[i]) {
+      // The max must not drop, and a query seen for the first time gets an
+      // exact step (its new max is the tile's max).
+      EXPECT_GE(row_max[i], max0[i]) << what;
+    }
+    if (max0[i] == -kInf) {
+      if (mx == -kInf) {
+        EXPECT_EQ(row_max[i], -std::numeric_limits<float>::infinity()) << what;
+      } else {
+        EXPECT_NEAR(row_max[i], mx, mx_err + 4.0 * 0x1p-24 * std::abs(mx)) << what;
+      }
+    }
+    const double a = std::exp(double{max0[i]} - shift);
+    // alpha and the sum inherit the shift's error (as large as the max's).
+    const double rel = mx_err + 4.0 * 0x1p-24 * (2.0 * std::abs(shift) + 2.0) + 1e-6;
+    EXPECT_NEAR(alpha[i], a, rel * a + 1e-30) << what << " i=" << i;
+    EXPECT_NEAR(row_sum[i], a * sum0[i] + sum, rel * (a * sum0[i] + sum)) << what << " i=" << i;
+    lazy = lazy && alpha[i] == 1.0f && row_max[i] == max0[i] && max0[i] != -kInf;
+  }
+  return lazy;
+}
+
+TEST(MicroKernelTest, SoftmaxColumnsAndForwardTileMatchDoubleMath) {
+  Rng rng(3);
+  for (KernelPath path : SupportedKernelPaths()) {
+    const kernels::micro::MicroKernels& mk = kernels::micro::MicroKernelsFor(path);
+    for (float softcap : {0.0f, 5.0f, 30.0f}) {
+      for (bool masked : {false, true}) {
+        // spread 8: logits up to ~scale * D * 64 = 320, beyond exp's range.
+        for (float spread : {1.0f, 8.0f}) {
+          const std::string what = std::string(KernelPathName(path)) + " cap " +
+                                   std::to_string(softcap) + (masked ? " masked" : "") +
+                                   " spread " + std::to_string(spread);
+          RandomTile tile(rng, spread);
+          const int64_t nq = RandomTile::kQueries;
+          // Odd queries start from a finite state, even ones from nothing.
+          std::vector<float> max0(nq), sum0(nq);
+          for (int64_t i = 0; i < nq; ++i) {
+            max0[i] = i % 2 == 0 ? -std::numeric_limits<float>::infinity() : 2.0f;
+            sum0[i] = i % 2 == 0 ? 0.0f : 1.5f;
+          }
+          // SoftmaxColumns: in place on the raw products, always exact.
+          std::vector<float> row_max = max0, row_sum = sum0, alpha(nq);
+          kernels::micro::TileArgs t = tile.Args(masked, softcap);
+          for (int64_t j = 0; j < RandomTile::kKeys; ++j) {
+            for (int64_t i = 0; i < RandomTile::kLd; ++i) {
+              double s = 0;
+              for (int64_t p = 0; p < RandomTile::kD; ++p) {
+                s += double{tile.k[j * RandomTile::kD + p]} * tile.qt[p * RandomTile::kLd + i];
+              }
+              tile.pt[j * RandomTile::kLd + i] = static_cast<float>(s);
+            }
+          }
+          mk.softmax_columns(t, row_max.data(), row_sum.data(), alpha.data());
+          EXPECT_FALSE(CheckForwardStep(tile, masked, softcap, max0, sum0, row_max, row_sum, alpha,
+                                        "columns " + what));
+          // ForwardTile from the same state: exact for the even queries.
+          row_max = max0;
+          row_sum = sum0;
+          mk.forward_tile(t, row_max.data(), row_sum.data(), alpha.data());
+          CheckForwardStep(tile, masked, softcap, max0, sum0, row_max, row_sum, alpha,
+                           "tile " + what);
+          // Again from the state it reached: every max is finite now (query 3
+          // is masked throughout when masked), and with logits within ~14 of
+          // it the fast paths take the lazy step.
+          const std::vector<float> max1 = row_max, sum1 = row_sum;
+          bool any_inf = false;
+          for (float x : max1) any_inf = any_inf || x == -std::numeric_limits<float>::infinity();
+          mk.forward_tile(t, row_max.data(), row_sum.data(), alpha.data());
+          const bool lazy = CheckForwardStep(tile, masked, softcap, max1, sum1, row_max, row_sum,
+                                             alpha, "tile again " + what);
+          if (path != KernelPath::kPortable && !any_inf) {
+            EXPECT_TRUE(lazy) << what;
+          }
+          // From a reference far below the logits the lazy step would
+          // overflow: the kernel must fall back to the exact step.
+          if (spread > 1.0f && softcap == 0.0f) {
+            std::vector<float> low(nq, -200.0f), sum_low(nq, 1.0f);
+            row_max = low;
+            row_sum = sum_low;
+            mk.forward_tile(t, row_max.data(), row_sum.data(), alpha.data());
+            EXPECT_FALSE(CheckForwardStep(tile, masked, softcap, low, sum_low, row_max, row_sum,
+                                          alpha, "tile low " + what));
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(MicroKernelTest, BackwardTileMatchesDoubleMath) {
+  Rng rng(4);
+  for (KernelPath path : SupportedKernelPaths()) {
+    const kernels::micro::MicroKernels& mk = kernels::micro::MicroKernelsFor(path);
+    for (float softcap : {0.0f, 5.0f}) {
+      for (bool masked : {false, true}) {
+        RandomTile tile(rng, 1.0f);
+        const int64_t nq = RandomTile::kQueries;
+        std::vector<float> lse(nq), delta = RandomFloats(rng, nq);
+        for (int64_t i = 0; i < nq; ++i) lse[i] = i == 5 ? -kInf : 1.0f + 0.1f * i;
+        kernels::micro::BackwardTileArgs b;
+        b.t = tile.Args(masked, softcap);
+        b.dv = RandomTile::kDv;
+        b.v = tile.v.data();
+        b.ldv = RandomTile::kDv;
+        b.dot = tile.dot.data();
+        b.lse = lse.data();
+        b.delta = delta.data();
+        b.ds = tile.ds.data();
+        b.deriv = tile.deriv.data();
+        mk.backward_tile(b);
+        for (int64_t j = 0; j < RandomTile::kKeys; ++j) {
+          for (int64_t i = 0; i < nq; ++i) {
+            const double x = tile.Logit(j, i, masked, softcap);
+            const double p = lse[i] == -kInf ? 0.0 : std::exp(x - lse[i]);
+            double dp = 0;
+            for (int64_t c = 0; c < RandomTile::kDv; ++c) {
+              dp += double{tile.v[j * RandomTile::kDv + c]} * tile.dot[c * RandomTile::kLd + i];
+            }
+            double ds = tile.scale * p * (dp - delta[i]);
+            if (softcap > 0) {
+              const double th = std::tanh(tile.Logit(j, i, false, 0.0f) / softcap);
+              ds *= 1.0 - th * th;
+            }
+            // |x|, |lse| <= ~5: exp's argument is good to ~1e-6, p <= ~1,
+            // dp sums 24 products of |.| <= 1 (~1e-6 absolute).
+            const size_t o = static_cast<size_t>(j * RandomTile::kLd + i);
+            ASSERT_NEAR(tile.pt[o], p, 4e-6 * (p + 1e-3)) << KernelPathName(path);
+            ASSERT_NEAR(tile.ds[o], ds, 4e-6) << KernelPathName(path);
+          }
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace ringsplash
