@@ -407,9 +407,11 @@ void BM_Flash(benchmark::State& state) {
 
 // FlashForward / FlashBackward alone (no argument checks, no conversions) on
 // `threads` threads, wall-clock time: the CLI's B=1, S, H=Hkv=8, D=128 full
-// problem with 128 x 128 tiles. Args: S, threads, backward (0/1), heads.
+// problem with 128 x 128 tiles. Args: S, threads, backward (0/1), heads,
+// mask (0 full, 2 sliding window causal&local:512,0; useful FLOPs).
 void BM_FlashThreads(benchmark::State& state) {
   const int64_t s = state.range(0), heads = state.range(3), d = 128;
+  const bool window = state.range(4) == 2;
   const int threads = static_cast<int>(state.range(1));
   const bool backward = state.range(2) != 0;
   if (!Supported(KernelPath::kAvx512)) {
@@ -421,7 +423,7 @@ void BM_FlashThreads(benchmark::State& state) {
   for (Tensor* t : {&q, &k, &v, &dout}) {
     FillF32(t->data_as<float>(), static_cast<size_t>(t->numel()), static_cast<uint32_t>(s));
   }
-  const Mask mask = Mask::Full();
+  const Mask mask = window ? Mask::Causal() & Mask::Local(512, 0) : Mask::Full();
   kernels::FlashParams p;
   p.q = q.view();
   p.k = k.view();
@@ -445,7 +447,8 @@ void BM_FlashThreads(benchmark::State& state) {
     benchmark::ClobberMemory();
   }
   const double sd = static_cast<double>(s);
-  SetFlops(state, (backward ? 2.5 : 1.0) * 4.0 * d * sd * sd * heads);
+  const double pairs = window ? sd * 513.0 - 0.5 * 512.0 * 513.0 : sd * sd;
+  SetFlops(state, (backward ? 2.5 : 1.0) * 4.0 * d * pairs * heads);
 }
 
 void FlashArgs(benchmark::internal::Benchmark* b) {
@@ -488,9 +491,10 @@ BENCHMARK(BM_PackTransposedF32)->Args({64, 128})->Args({64, 64});
 BENCHMARK(BM_PackRowsF32)->Args({128, 128, 0})->Args({128, 128, 1});
 BENCHMARK(BM_Flash)->Apply(FlashArgs);
 BENCHMARK(BM_FlashThreads)
-    ->ArgsProduct({{2048, 4096}, {1, 2}, {0, 1}, {8}})
-    ->ArgsProduct({{2048}, {1}, {0}, {1, 2, 4}})
-    ->ArgNames({"S", "threads", "bwd", "H"})
+    ->ArgsProduct({{2048, 4096}, {1, 2}, {0, 1}, {8}, {0}})
+    ->ArgsProduct({{2048}, {1}, {0}, {1, 2, 4}, {0}})
+    ->ArgsProduct({{32768}, {1, 2}, {0}, {8}, {2}})
+    ->ArgNames({"S", "threads", "bwd", "H", "mask"})
     ->UseRealTime()
     ->Unit(benchmark::kMillisecond);
 
