@@ -36,7 +36,6 @@ using testing::OwnedInputs;
 using testing::ProblemSpec;
 using testing::Rng;
 
-
 // f32 tolerance, relative to the largest expected magnitude of a tensor. The
 // kernels accumulate in f32 over at most a few hundred terms (D <= 256, Skv
 // <= ~300 here); the f64 reference is exact to ~1e-16. Rounding of inputs of
