@@ -235,6 +235,9 @@ int64_t LoadInt(const std::byte* p, NpyType t, int64_t i) {
 // hold would silently poison the results. NaN/inf in the file pass through.
 void ConvertRun(const std::byte* src, NpyType src_type, void* dst, DType dst_type, int64_t count,
                 const std::string& name, std::span<const int64_t> shape, int64_t first) {
+  // An empty array's buffers may be null, and memcpy(null, null, 0) is
+  // undefined behaviour; there is nothing to convert anyway.
+  if (count == 0) return;
   if (IsFloat(src_type)) {
     // A header of odd length leaves the data unaligned; element loads need
     // natural alignment, so such runs go through an aligned copy.
