@@ -9,6 +9,7 @@
 #include "ringsplash/ring.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <functional>
@@ -19,6 +20,7 @@
 
 #include "gtest/gtest.h"
 #include "ringsplash/attention.h"
+#include "ringsplash/comm.h"
 #include "ringsplash/error.h"
 #include "ringsplash/mask.h"
 #include "tests/support/test_util.h"
@@ -474,6 +476,52 @@ TEST(RingBalanceTest, ContiguousCausalShowsTheExpectedImbalance) {
     EXPECT_EQ(stats[0].forward_steps[t].kernel.computed_blocks, 0) << "step " << t;
     EXPECT_GT(stats[0].forward_steps[t].kernel.skipped_blocks, 0) << "step " << t;
   }
+}
+
+// ---- Outputs sharing storage with inputs -------------------------------------
+
+// The forward accumulates straight into an f32 contiguous `out` unless that
+// buffer overlaps an input: q is read again at every step, after step 0 has
+// written the accumulators. A rank whose out IS its q buffer (in-place
+// attention, D == Dv) must get exactly the answer of separate buffers.
+TEST(RingTest, OutputSharingStorageWithQueriesGivesTheSameResult) {
+  constexpr int kN = 3;
+  constexpr int64_t kS = 96, kH = 2, kD = 16;
+  Rng rng(17);
+  ProblemSpec spec;
+  spec.sq = spec.skv = kS;
+  spec.h = spec.hkv = kH;
+  spec.d = spec.dv = kD;
+  const OwnedInputs in = testing::RandomInputs(rng, spec);
+  RingOptions opt;
+  opt.layout = Layout::kZigzag;
+  opt.attention.mask = Mask::Causal();
+  opt.attention.block_sizes = {16, 16};
+  opt.attention.num_threads = 1;
+  std::atomic<bool> all_equal{true};
+  RunThreadRanks(kN, CommOptions{}, [&](Communicator& comm) {
+    const int r = comm.rank();
+    auto shard = [&](const Tensor& global) {
+      Tensor local(DType::kF32, {1, kS / kN, kH, kD});
+      ShardSequence(opt.layout, r, kN, global.view(), local.view());
+      return local;
+    };
+    const Tensor q = shard(in.q), k = shard(in.k), v = shard(in.v);
+    AttentionInputs local;
+    local.q = q.view();
+    local.k = k.view();
+    local.v = v.view();
+    Tensor out(DType::kF32, {1, kS / kN, kH, kD}), lse(DType::kF32, {1, kH, kS / kN});
+    RingAttentionForward(comm, local, opt, out.view(), lse.view());
+
+    Tensor q_then_out = shard(in.q), lse2(DType::kF32, {1, kH, kS / kN});
+    local.q = q_then_out.view();
+    RingAttentionForward(comm, local, opt, q_then_out.view(), lse2.view());
+    const bool same = testing::ToDoubles(q_then_out.view()) == testing::ToDoubles(out.view()) &&
+                      testing::ToDoubles(lse2.view()) == testing::ToDoubles(lse.view());
+    if (!same) all_equal = false;
+  });
+  EXPECT_TRUE(all_equal);
 }
 
 // ---- Argument errors ---------------------------------------------------------

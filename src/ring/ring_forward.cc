@@ -3,11 +3,14 @@
 // Data flow on rank r of N, step t = 0..N-1 (src = (r - t) mod N):
 //   slice[t % 2]  holds src's packed [k | v | kv_seg] (see SliceLayout)
 //   StartShift(slice[t % 2] -> rank r+1, slice[(t+1) % 2] <- rank r-1)  (t < N-1)
-//   FlashForward(local q vs that slice, masks on GLOBAL positions of both)
-//       -> part_out [B, Sq, H, Dv] f32, part_lse [B, H, Sq] f32
-//   MergePartial into out_acc/lse_acc (f32)
+//   FlashForward (t = 0) or FlashForwardMerge (t > 0) of local q vs that
+//       slice, masks on GLOBAL positions of both, into out_acc [B, Sq, H, Dv]
+//       and lse_acc [B, H, Sq] (f32): each q block's partial result is merged
+//       into its rows as soon as it is done, so no second output-sized buffer
 //   Wait(shift)   — the transfer ran while the kernel computed
-// then ApplySinks once per row and convert into the caller's out/lse.
+// then ApplySinks once per row and convert into the caller's out/lse. When
+// the caller's out/lse are f32 and contiguous they ARE the accumulators (no
+// copy): a rank then holds its inputs, its outputs and two kv slices.
 // The slice shifted at step t is the one computed at step t: it is only read
 // by the kernel, so sending and computing on it at once is safe, and the
 // receive goes into the other buffer, whose own send finished (Wait) at the
@@ -16,12 +19,14 @@
 #include <cmath>
 #include <exception>
 #include <limits>
+#include <utility>
 #include <vector>
 
 #include "ringsplash/error.h"
 #include "ringsplash/ring.h"
 #include "src/kernels/combine.h"
 #include "src/kernels/flash.h"
+#include "src/kernels/flash_merge.h"
 #include "src/kernels/poison.h"
 #include "src/kernels/thread_pool.h"
 #include "src/ring/ring_internal.h"
@@ -42,6 +47,27 @@ struct ForwardScratch {
   Tensor slices[2];
 };
 
+// The bytes a view's elements lie in (strides are non-negative: validated).
+std::pair<const char*, const char*> ByteSpan(const TensorView& t) {
+  const char* begin = static_cast<const char*>(t.data);
+  int64_t last = 0;
+  for (int i = 0; i < t.ndim; ++i) {
+    if (t.shape[i] == 0) return {begin, begin};
+    last += (t.shape[i] - 1) * t.stride[i];
+  }
+  return {begin, begin + (last + 1) * static_cast<int64_t>(DTypeSize(t.dtype))};
+}
+
+bool OverlapsAnyInput(const TensorView& out, const AttentionInputs& in) {
+  const auto [o0, o1] = ByteSpan(out);
+  for (const TensorView* t : {&in.q, &in.k, &in.v, &in.sinks, &in.q_segments, &in.kv_segments}) {
+    if (!t->defined()) continue;
+    const auto [i0, i1] = ByteSpan(*t);
+    if (o0 < i1 && i0 < o1) return true;
+  }
+  return false;
+}
+
 void ForwardSteps(Communicator& comm, const RingSetup& s, const AttentionInputs& local,
                   const TensorView& out, const TensorView& lse, ForwardScratch& scratch,
                   RankStats* stats) {
@@ -52,11 +78,22 @@ void ForwardSteps(Communicator& comm, const RingSetup& s, const AttentionInputs&
   layout.Pack(local, scratch.slices[0].data());
 
   // f32 accumulators: (out, lse) over the slices seen so far; step 0 writes
-  // them directly, later steps merge a partial result into them.
-  Tensor out_acc(DType::kF32, {d.b, d.sq, d.h, d.dv});
-  Tensor lse_acc(DType::kF32, {d.b, d.h, d.sq});
-  Tensor part_out(DType::kF32, {d.b, d.sq, d.h, d.dv});
-  Tensor part_lse(DType::kF32, {d.b, d.h, d.sq});
+  // them directly, later steps merge into them. The caller's buffers serve
+  // when they already have that form (the common f32 case saves one
+  // output-sized allocation per rank).
+  // Not when they overlap an input: q is read again at every step, after
+  // step 0 has written the accumulators.
+  auto accumulator = [&local](const TensorView& given, std::initializer_list<int64_t> shape,
+                              Tensor& own) -> float* {
+    if (given.dtype == DType::kF32 && given.is_contiguous() && !OverlapsAnyInput(given, local)) {
+      return static_cast<float*>(given.data);
+    }
+    own = Tensor(DType::kF32, shape);
+    return own.data_as<float>();
+  };
+  Tensor out_own, lse_own;
+  float* out_acc = accumulator(out, {d.b, d.sq, d.h, d.dv}, out_own);
+  float* lse_acc = accumulator(lse, {d.b, d.h, d.sq}, lse_own);
   kernels::ThreadPool pool(s.num_threads);
 
   // Non-finite inputs (src/kernels/poison.h): local q rows and sinks are
@@ -94,13 +131,9 @@ void ForwardSteps(Communicator& comm, const RingSetup& s, const AttentionInputs&
                            scan.any_q ? scan.q.data() : nullptr, lse_p.data(), out_p.data());
     }
     if (t == 0) {
-      kernels::FlashForward(params, pool, out_acc.data_as<float>(), lse_acc.data_as<float>(),
-                            &step.kernel);
+      kernels::FlashForward(params, pool, out_acc, lse_acc, &step.kernel);
     } else {
-      kernels::FlashForward(params, pool, part_out.data_as<float>(), part_lse.data_as<float>(),
-                            &step.kernel);
-      kernels::MergePartial(s.Rows(), out_acc.data_as<float>(), lse_acc.data_as<float>(),
-                            part_out.data_as<float>(), part_lse.data_as<float>());
+      kernels::FlashForwardMerge(params, pool, out_acc, lse_acc, &step.kernel);
     }
     step.compute_seconds = SecondsSince(c0);
     if (shift >= 0) {
@@ -112,7 +145,7 @@ void ForwardSteps(Communicator& comm, const RingSetup& s, const AttentionInputs&
   }
   // Sinks join each row's denominator once, after every slice was merged.
   if (!sinks.empty()) {
-    kernels::ApplySinks(s.Rows(), out_acc.data_as<float>(), lse_acc.data_as<float>(), sinks.data());
+    kernels::ApplySinks(s.Rows(), out_acc, lse_acc, sinks.data());
   }
   if (scan.any_sinks && lse_p.empty()) {
     lse_p.assign(static_cast<size_t>(d.b * d.h * d.sq), 0);
@@ -121,13 +154,12 @@ void ForwardSteps(Communicator& comm, const RingSetup& s, const AttentionInputs&
   if (!lse_p.empty()) {
     kernels::MarkSinks(d, scan.sinks, lse_p.data());
     for (size_t r = 0; r < lse_p.size(); ++r) out_p[r] |= lse_p[r];
-    kernels::FillQueryRows(out_acc.data_as<float>(), d, d.dv, out_p.data());
-    kernels::FillRows(lse_acc.data_as<float>(), static_cast<int64_t>(lse_p.size()), 1,
-                      lse_p.data());
+    kernels::FillQueryRows(out_acc, d, d.dv, out_p.data());
+    kernels::FillRows(lse_acc, static_cast<int64_t>(lse_p.size()), 1, lse_p.data());
   }
   // Checked: a finite out beyond an f16/bf16 range is an Error naming it.
-  CopyConvert(out_acc.view(), out, "out");
-  CopyConvert(lse_acc.view(), lse, "lse");
+  if (out_own.data() != nullptr) CopyConvert(out_own.view(), out, "out");
+  if (lse_own.data() != nullptr) CopyConvert(lse_own.view(), lse, "lse");
 }
 
 }  // namespace
