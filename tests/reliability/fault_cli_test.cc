@@ -15,6 +15,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <cstdlib>
 #include <fstream>
 #include <iterator>
 #include <map>
@@ -130,6 +131,9 @@ Timed RunAttend(const ScratchDir& dir, Mpirun how, const std::string& fault,
   const bool mpi = how != Mpirun::kNone;
   if (mpi) {
 #ifdef RINGSPLASH_MPIEXEC
+    // Open MPI refuses to start as root (CI containers) without these.
+    setenv("OMPI_ALLOW_RUN_AS_ROOT", "1", 1);
+    setenv("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1", 1);
     argv = {RINGSPLASH_MPIEXEC, "--oversubscribe", "-np", std::to_string(kRanks), "--tag-output"};
     if (!fault.empty()) argv.insert(argv.end(), {"-x", "RINGSPLASH_FAULT=" + fault});
     if (how == Mpirun::kPerRank) {
