@@ -15,6 +15,7 @@
 // that depend on a poisoned input are overwritten with NaN.
 #include "ringsplash/attention.h"
 
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -209,15 +210,29 @@ void AttentionForward(const AttentionInputs& in, const AttentionOptions& opt, Te
   kernels::ValidateForwardOutputs(dims, in.q.dtype, out, lse);
   Prepared pr;
   Prepare(in, opt, dims, pr);
-  const kernels::InputScan scan = kernels::ScanInputs(in.q, in.k, in.v, pr.sinks);
-  CleanInputs clean;
-  if (scan.any()) clean.Apply(scan, pr);
-
+  PoolLease lease(opt.num_threads);
   F32Buffer out32(out, {dims.b, dims.sq, dims.h, dims.dv}, /*zero=*/false, "out");
   F32Buffer lse32(lse, {dims.b, dims.h, dims.sq}, /*zero=*/false, "lse");
   KernelStats local;
-  {
-    PoolLease lease(opt.num_threads);
+
+  // Non-finite inputs (poison.h). Optimistically, the kernel checks the rows
+  // it reads as it computes (FlashParams::non_finite) — no separate pass over
+  // the inputs. Only if it met a NaN/Inf (or a sink is one) is the call redone
+  // the exact way: scan, compute on cleaned copies, poison the dependent rows.
+  bool sinks_finite = true;
+  for (float x : pr.sinks) sinks_finite = sinks_finite && std::isfinite(x);
+  std::atomic<bool> met_non_finite{false};
+  if (sinks_finite) {
+    pr.params.non_finite = &met_non_finite;
+    kernels::FlashForward(pr.params, lease.pool(), out32.get(), lse32.get(), &local);
+    pr.params.non_finite = nullptr;
+  }
+  kernels::InputScan scan;
+  CleanInputs clean;
+  if (!sinks_finite || met_non_finite.load()) {
+    scan = kernels::ScanInputs(in.q, in.k, in.v, pr.sinks, &lease.pool());
+    if (scan.any()) clean.Apply(scan, pr);
+    local = KernelStats();
     kernels::FlashForward(pr.params, lease.pool(), out32.get(), lse32.get(), &local);
   }
   if (!pr.sinks.empty()) {
@@ -241,10 +256,11 @@ void AttentionBackward(const AttentionInputs& in, const AttentionOptions& opt, T
   kernels::ValidateBackwardArgs(dims, in, out, lse, dout, dq, dk, dv, dsinks);
   Prepared pr;
   Prepare(in, opt, dims, pr);
-  const kernels::InputScan scan = kernels::ScanInputs(in.q, in.k, in.v, pr.sinks);
+  PoolLease lease(opt.num_threads);  // the input scans use it too
+  const kernels::InputScan scan = kernels::ScanInputs(in.q, in.k, in.v, pr.sinks, &lease.pool());
   std::vector<char> dout_bad, out_bad;
-  const bool any_dout = kernels::ScanRows(dout, 1, dout_bad);
-  const bool any_out = kernels::ScanRows(out, 1, out_bad);
+  const bool any_dout = kernels::ScanRows(dout, 1, dout_bad, &lease.pool());
+  const bool any_out = kernels::ScanRows(out, 1, out_bad, &lease.pool());
   const auto rows = static_cast<size_t>(dims.b * dims.h * dims.sq);
   // lse rows that are NaN or +inf (-inf is an empty row, not poison).
   std::vector<char> lse_bad(rows, 0);
@@ -326,11 +342,8 @@ void AttentionBackward(const AttentionInputs& in, const AttentionOptions& opt, T
   F32Buffer dk32(dk, {dims.b, dims.skv, dims.hkv, dims.d}, /*zero=*/true, "dk");
   F32Buffer dv32(dv, {dims.b, dims.skv, dims.hkv, dims.dv}, /*zero=*/true, "dv");
   KernelStats local;
-  {
-    PoolLease lease(opt.num_threads);
-    kernels::FlashBackward(pr.params, lease.pool(), dout, lse32, delta.data(), dq32.get(),
-                           dk32.get(), dv32.get(), &local);
-  }
+  kernels::FlashBackward(pr.params, lease.pool(), dout, lse32, delta.data(), dq32.get(),
+                         dk32.get(), dv32.get(), &local);
   if (poisoned) {
     const auto keys = static_cast<size_t>(dims.b * dims.skv * dims.hkv);
     std::vector<char> dk_p(keys, 0), dv_p(keys, 0);

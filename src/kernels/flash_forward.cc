@@ -16,6 +16,7 @@
 // lives as long as its thread (pool threads persist), so a call allocates
 // nothing per tile and, with in-place K/V, nothing of size O(S).
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -26,6 +27,7 @@
 #include "src/kernels/flash_common.h"
 #include "src/kernels/flash_merge.h"
 #include "src/kernels/micro.h"
+#include "src/kernels/poison.h"
 #include "src/kernels/tile_pack.h"
 
 namespace ringsplash::kernels {
@@ -110,6 +112,10 @@ void Forward(const FlashParams& p, ThreadPool& pool, bool merge, float* out, flo
   const KvRows kv(p, g, bf16 ? KvRows::KeyFormat::kBf16 : KvRows::KeyFormat::kF32,
                   plan.UsesPerKvTile(), pool);
   std::vector<WorkerStats> wstats(static_cast<size_t>(pool.size()));
+  // FlashParams::non_finite: each kv tile (b, kv head, kvb) is checked by the
+  // first task that computes it; q rows by their own task.
+  const bool check = p.non_finite != nullptr;
+  std::vector<std::atomic<bool>> kv_checked(check ? static_cast<size_t>(g.b * g.hkv * g.nkvb) : 0);
 
   const int64_t d2 = RoundUp(g.d, 2);
   pool.ParallelFor(g.b * g.h * g.nqb, [&](int64_t task, int worker) {
@@ -127,6 +133,7 @@ void Forward(const FlashParams& p, ThreadPool& pool, bool merge, float* out, flo
     } else {
       PackTransposed(mk, p.q, b, h, qb * g.bq, m, ws.qt.data(), g.ld_q);
     }
+    if (check && AnyNonFinite(p.q, b, qb * g.bq, m, h)) p.non_finite->store(true);
     for (int64_t i = 0; i < m; ++i) {
       ws.row_max[i] = kNegInf;
       ws.row_sum[i] = 0.0f;
@@ -148,6 +155,12 @@ void Forward(const FlashParams& p, ThreadPool& pool, bool merge, float* out, flo
         const BlockKind kind = plan.Refine(run.kind, b, qb, kvb);
         if (kind == BlockKind::kEmpty) continue;
         const int64_t n = g.KvRows(kvb);
+        if (check && !kv_checked[static_cast<size_t>((b * g.hkv + kh) * g.nkvb + kvb)].exchange(
+                         true, std::memory_order_relaxed)) {
+          if (AnyNonFinite(p.k, b, kvb * g.bkv, n, kh) || AnyNonFinite(p.v, b, kvb * g.bkv, n, kh)) {
+            p.non_finite->store(true);
+          }
+        }
         t.keys = n;
         t.mask = nullptr;
         micro::KRanges keys;  // of each query: P V skips the keys it may not see

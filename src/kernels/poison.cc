@@ -1,9 +1,12 @@
 // Non-finite input handling around the flash kernels: see poison.h.
 #include "src/kernels/poison.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
+
+#include "src/kernels/thread_pool.h"
 
 namespace ringsplash::kernels {
 
@@ -37,39 +40,98 @@ int32_t SegmentAt(const TensorView& s, int64_t b, int64_t i) {
   return static_cast<const int32_t*>(s.data)[s.Offset(b, i)];
 }
 
+// Whether a row of n elements from `base` (inner stride t.stride[3]) holds a
+// NaN or an infinity. Unit strides take a branch-free loop over the bits that
+// compilers vectorise: |bits| >= the infinity pattern means exponent all ones.
+template <typename Bits>
+bool RowNonFiniteBits(const Bits* row, int64_t n, Bits magnitude, Bits inf) {
+  unsigned bad = 0;
+  for (int64_t e = 0; e < n; ++e) bad |= static_cast<unsigned>((row[e] & magnitude) >= inf);
+  return bad != 0;
+}
+
+bool RowNonFinite(const TensorView& t, int64_t base, int64_t n) {
+  if (t.stride[3] == 1) {
+    switch (t.dtype) {
+      case DType::kF32:
+        return RowNonFiniteBits<uint32_t>(static_cast<const uint32_t*>(t.data) + base, n,
+                                          0x7FFFFFFFu, 0x7F800000u);
+      case DType::kBF16:
+        return RowNonFiniteBits<uint16_t>(static_cast<const uint16_t*>(t.data) + base, n, 0x7FFF,
+                                          0x7F80);
+      case DType::kF16:
+        return RowNonFiniteBits<uint16_t>(static_cast<const uint16_t*>(t.data) + base, n, 0x7FFF,
+                                          0x7C00);
+      default:
+        return false;
+    }
+  }
+  bool bad = false;
+  for (int64_t e = 0; e < n; ++e) bad |= NonFiniteBits(t.dtype, t.data, base + e * t.stride[3]);
+  return bad;
+}
+
 }  // namespace
 
 bool NonFiniteAt(const TensorView& t, int64_t offset) {
   return NonFiniteBits(t.dtype, t.data, offset);
 }
 
-bool ScanRows(const TensorView& t, char bit, std::vector<char>& flags) {
+bool ScanRows(const TensorView& t, char bit, std::vector<char>& flags, ThreadPool* pool) {
   const int64_t b = t.shape[0], s = t.shape[1], heads = t.shape[2], x = t.shape[3];
   if (flags.empty()) flags.assign(static_cast<size_t>(b * s * heads), 0);
-  bool any = false;
-  for (int64_t ib = 0; ib < b; ++ib) {
-    for (int64_t is = 0; is < s; ++is) {
+  // Tasks of kChunk (batch, position) pairs; each writes only its own rows'
+  // flags, and whether it flagged any into its own slot.
+  constexpr int64_t kChunk = 256;
+  const int64_t positions = b * s;
+  const int64_t tasks = (positions + kChunk - 1) / kChunk;
+  std::vector<char> task_any(static_cast<size_t>(tasks), 0);
+  auto scan = [&](int64_t task, int) {
+    const int64_t end = std::min(positions, (task + 1) * kChunk);
+    for (int64_t p = task * kChunk; p < end; ++p) {
+      const int64_t ib = p / s, is = p % s;
       for (int64_t ih = 0; ih < heads; ++ih) {
         const int64_t base = t.Offset(ib, is, ih);
-        bool bad = false;
-        for (int64_t e = 0; e < x; ++e) bad |= NonFiniteAt(t, base + e * t.stride[3]);
-        if (bad) {
-          flags[static_cast<size_t>((ib * s + is) * heads + ih)] |= bit;
-          any = true;
-        }
+        if (!RowNonFinite(t, base, x)) continue;
+        flags[static_cast<size_t>(p * heads + ih)] |= bit;
+        task_any[static_cast<size_t>(task)] = 1;
       }
     }
+  };
+  // Small tensors are not worth waking the pool for.
+  if (pool != nullptr && pool->size() > 1 && positions * heads * x >= (int64_t{1} << 16)) {
+    pool->ParallelFor(tasks, scan);
+  } else {
+    for (int64_t task = 0; task < tasks; ++task) scan(task, 0);
   }
-  return any;
+  return std::find(task_any.begin(), task_any.end(), 1) != task_any.end();
+}
+
+bool AnyNonFinite(const TensorView& t, int64_t b, int64_t s0, int64_t rows, int64_t head) {
+  const int64_t x = t.shape[3];
+  // Strided rows (other heads in between) defeat the hardware prefetchers,
+  // and row after row each miss would be waited for in turn: ask for every
+  // line first, so the misses overlap.
+  if (t.stride[3] == 1) {
+    const int64_t bytes = x * static_cast<int64_t>(DTypeSize(t.dtype));
+    for (int64_t s = s0; s < s0 + rows; ++s) {
+      const char* row = static_cast<const char*>(t.data) +
+                        t.Offset(b, s, head) * static_cast<int64_t>(DTypeSize(t.dtype));
+      for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(row + o);
+    }
+  }
+  bool bad = false;
+  for (int64_t s = s0; s < s0 + rows; ++s) bad |= RowNonFinite(t, t.Offset(b, s, head), x);
+  return bad;
 }
 
 InputScan ScanInputs(const TensorView& q, const TensorView& k, const TensorView& v,
-                     const std::vector<float>& sinks) {
+                     const std::vector<float>& sinks, ThreadPool* pool) {
   InputScan s;
-  s.any_q = ScanRows(q, 1, s.q);
+  s.any_q = ScanRows(q, 1, s.q, pool);
   if (k.defined()) {
-    s.any_kv = ScanRows(k, kKeyBad, s.kv);
-    s.any_kv = ScanRows(v, kValueBad, s.kv) || s.any_kv;
+    s.any_kv = ScanRows(k, kKeyBad, s.kv, pool);
+    s.any_kv = ScanRows(v, kValueBad, s.kv, pool) || s.any_kv;
   }
   s.sinks.assign(sinks.size(), 0);
   for (size_t h = 0; h < sinks.size(); ++h) {

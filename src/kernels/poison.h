@@ -33,6 +33,8 @@
 
 namespace ringsplash::kernels {
 
+class ThreadPool;
+
 // Bits of a key/value row flag ([B, Skv, Hkv]).
 constexpr char kKeyBad = 1;
 constexpr char kValueBad = 2;
@@ -42,8 +44,14 @@ bool NonFiniteAt(const TensorView& t, int64_t offset);
 
 // Rows of a 4-D float view [B, S, Heads, X]: flags[(b * S + s) * Heads + head]
 // |= `bit` when that row holds a non-finite element. `flags` is resized (to
-// zeros) when empty. Returns whether any row was flagged.
-bool ScanRows(const TensorView& t, char bit, std::vector<char>& flags);
+// zeros) when empty. Returns whether any row was flagged. With a pool, large
+// views are scanned by all its workers (the scan is memory-bound: one pass
+// over every input byte of every call).
+bool ScanRows(const TensorView& t, char bit, std::vector<char>& flags, ThreadPool* pool = nullptr);
+
+// Whether rows [s0, s0 + rows) of head `head` of batch b of a 4-D float view
+// [B, S, Heads, X] hold a NaN or an infinity.
+bool AnyNonFinite(const TensorView& t, int64_t b, int64_t s0, int64_t rows, int64_t head);
 
 // Non-finite rows of the inputs of one call (or one rank's part of it).
 struct InputScan {
@@ -57,7 +65,7 @@ struct InputScan {
 // Scans q, k, v (4-D float views; k and v may be undefined: not scanned) and
 // the sinks ([H] or empty).
 InputScan ScanInputs(const TensorView& q, const TensorView& k, const TensorView& v,
-                     const std::vector<float>& sinks);
+                     const std::vector<float>& sinks, ThreadPool* pool = nullptr);
 
 // Replaces non-finite sinks by 0.
 void CleanSinks(std::vector<float>& sinks);

@@ -94,13 +94,14 @@ void ForwardSteps(Communicator& comm, const RingSetup& s, const AttentionInputs&
   Tensor out_own, lse_own;
   float* out_acc = accumulator(out, {d.b, d.sq, d.h, d.dv}, out_own);
   float* lse_acc = accumulator(lse, {d.b, d.h, d.sq}, lse_own);
-  kernels::ThreadPool pool(s.num_threads);
 
   // Non-finite inputs (src/kernels/poison.h): local q rows and sinks are
   // scanned here, each slice's k/v rows at its owner's Pack. The kernels see
   // cleaned data; rows [B, H, Sq] that depend on a poisoned input collect in
   // lse_p / out_p (only allocated once something is poisoned) and become NaN.
-  const kernels::InputScan scan = kernels::ScanInputs(local.q, TensorView(), TensorView(), s.sinks);
+  kernels::ThreadPool pool(s.num_threads);
+  const kernels::InputScan scan =
+      kernels::ScanInputs(local.q, TensorView(), TensorView(), s.sinks, &pool);
   Tensor clean_q;
   if (scan.any_q) clean_q = kernels::CleanCopy(local.q);
   std::vector<float> sinks = s.sinks;
