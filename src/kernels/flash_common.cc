@@ -223,7 +223,12 @@ void PackTransposed(const micro::MicroKernels& mk, const TensorView& t, int64_t 
     mk.transpose_f32(rows, cols, static_cast<const float*>(t.data) + t.Offset(b, r0, head, 0),
                      t.stride[1], dst, ld);
   } else {
-    PackTransposedF32(Slab{&t, b, head, r0, rows, cols}, dst, ld);
+    // Rows widened to f32 first, then the micro-kernels' transpose: the
+    // element-wise transposing copy costs ~4 % of a bf16 forward.
+    thread_local AlignedBuffer<float> rows_f32;
+    Grow(rows_f32, rows * cols);
+    PackRowsF32(Slab{&t, b, head, r0, rows, cols}, rows_f32.data(), cols, rows);
+    mk.transpose_f32(rows, cols, rows_f32.data(), cols, dst, ld);
   }
 }
 
