@@ -49,8 +49,10 @@ def detail(r):
                 "iteration")
     if case.startswith("memory"):
         rss = r["rss_mib"]
-        return (f"RSS {rss['131072']:.0f} MiB at S=131072, {rss['262144']:.0f} MiB at S=262144; "
-                f"data {r['data_mib']:.0f} MiB; growth {r['growth_per_data_byte']:.2f} x data")
+        steps = ", ".join(f"{v:.0f} MiB at S={s}" for s, v in rss.items())
+        return (f"RSS {steps}; data {r['data_mib']:.0f} MiB; step ratio per doubling "
+                f"{r['growth_ratio']:.2f}; growth {r['growth_per_data_byte']:.2f} x data "
+                "(two kv slice buffers per rank: 1.0 x data)")
     return spread
 
 

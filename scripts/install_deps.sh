@@ -7,7 +7,7 @@ packages=(
   libgtest-dev libgmock-dev libbenchmark-dev    # tests and micro-benchmarks
   libopenmpi-dev openmpi-bin                    # the MPI backend
   libcli11-dev nlohmann-json3-dev               # the command line and its JSON output
-  gnuplot-nox                                   # docs/PERFORMANCE.md plot
+  gnuplot-nox python3 time                      # docs/PERFORMANCE.md: plot, bench/run_targets.py, /usr/bin/time -v
 )
 missing=()
 for p in "${packages[@]}"; do

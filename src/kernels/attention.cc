@@ -342,8 +342,8 @@ void AttentionBackward(const AttentionInputs& in, const AttentionOptions& opt, T
   F32Buffer dk32(dk, {dims.b, dims.skv, dims.hkv, dims.d}, /*zero=*/true, "dk");
   F32Buffer dv32(dv, {dims.b, dims.skv, dims.hkv, dims.dv}, /*zero=*/true, "dv");
   KernelStats local;
-  kernels::FlashBackward(pr.params, lease.pool(), dout, lse32, delta.data(), dq32.get(),
-                         dk32.get(), dv32.get(), &local);
+  kernels::FlashBackward(pr.params, lease.pool(), dout, lse32, delta.data(), dq32.get(), dk32.get(),
+                         dv32.get(), &local);
   if (poisoned) {
     const auto keys = static_cast<size_t>(dims.b * dims.skv * dims.hkv);
     std::vector<char> dk_p(keys, 0), dv_p(keys, 0);

@@ -157,7 +157,8 @@ void Forward(const FlashParams& p, ThreadPool& pool, bool merge, float* out, flo
         const int64_t n = g.KvRows(kvb);
         if (check && !kv_checked[static_cast<size_t>((b * g.hkv + kh) * g.nkvb + kvb)].exchange(
                          true, std::memory_order_relaxed)) {
-          if (AnyNonFinite(p.k, b, kvb * g.bkv, n, kh) || AnyNonFinite(p.v, b, kvb * g.bkv, n, kh)) {
+          if (AnyNonFinite(p.k, b, kvb * g.bkv, n, kh) ||
+              AnyNonFinite(p.v, b, kvb * g.bkv, n, kh)) {
             p.non_finite->store(true);
           }
         }
