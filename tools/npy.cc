@@ -390,12 +390,15 @@ NpyHeader ParseHeader(std::string_view bytes, const std::string& name) {
   h.major = major;
   h.minor = minor;
   h.data_offset = start + header_len;
-  // numel * itemsize must fit comfortably in 63 bits.
-  int64_t n = 1;
+  // numel * itemsize must fit comfortably in 63 bits — and so must the
+  // product of the non-zero dims: an empty array (a 0 dim) is still indexed
+  // with partial products of the others (e.g. the row size).
+  int64_t nonzero = 1;
   for (int64_t d : h.shape) {
-    Check(d == 0 || n <= (int64_t{1} << 56) / d, name, ": shape ", ShapeString(h.shape),
+    if (d == 0) continue;
+    Check(nonzero <= (int64_t{1} << 56) / d, name, ": shape ", ShapeString(h.shape),
           " is too large");
-    n *= d;
+    nonzero *= d;
   }
   return h;
 }

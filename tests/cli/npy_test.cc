@@ -267,6 +267,10 @@ std::vector<BadFile> BadFiles() {
        NpyBytes(1, "{'descr': '<f4', 'fortran_order': False, 'shape': (2, 3), 'x': 1}", six),
        "unexpected key"},
       {"negative_dim", NpyBytes(1, Dict("<f4", "(2, -3)"), six), "non-negative integer"},
+      {"huge_shape", NpyBytes(1, Dict("<f4", "(4294967296, 4294967296)"), ""), "is too large"},
+      // No elements, but the other dims' product (a row's size) overflows.
+      {"empty_huge_rows", NpyBytes(1, Dict("<f4", "(0, 4294967296, 4294967296)"), ""),
+       "is too large"},
       {"shape_not_tuple", NpyBytes(1, Dict("<f4", "(6)"), six), "must be a tuple"},
       {"bad_bool", NpyBytes(1, "{'descr': '<f4', 'fortran_order': maybe, 'shape': (6,)}", six),
        "True or False"},
