@@ -482,8 +482,10 @@ FuzzProblem DecodeProblem(ByteReader& r) {
   MaskContext mc;
   mc.h = h;
   mc.rng = &rng;
-  mc.dense_sq = MaxOr(p.in.q_positions, sq) + 1 + r.Range(0, 3);
-  mc.dense_skv = MaxOr(p.in.kv_positions, skv) + 1 + r.Range(0, 3);
+  // At least 1: with a negative kv position (kPosNegative) the largest one
+  // may be negative too.
+  mc.dense_sq = std::max<int64_t>(1, MaxOr(p.in.q_positions, sq) + 1 + r.Range(0, 3));
+  mc.dense_skv = std::max<int64_t>(1, MaxOr(p.in.kv_positions, skv) + 1 + r.Range(0, 3));
   if (has(Mut::kDenseExtent)) mc.dense_sq = std::max<int64_t>(1, MaxOr(p.in.q_positions, sq));
   if (has(Mut::kMaskHeads)) mc.dense_heads_extra = 1;
   try {
