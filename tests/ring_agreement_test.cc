@@ -220,7 +220,7 @@ TEST(RingAgreementTest, SinksValues) {
 TEST(RingAgreementTest, BlockSizes) {
   ExpectAllRanksThrew(
       RunWithOneOdd(2, 1, [](RankCall& c) { c.options.attention.block_sizes.q = 32; }),
-      "ring: rank 1 uses block_sizes.q=32 but rank 0 uses block_sizes.q=64");
+      "ring: rank 1 uses block_sizes.q=32 but rank 0 uses block_sizes.q=128");
   ExpectAllRanksThrew(
       RunWithOneOdd(2, 1, [](RankCall& c) { c.options.attention.block_sizes.kv = 64; }),
       "ring: rank 1 uses block_sizes.kv=64 but rank 0 uses block_sizes.kv=128");

@@ -35,7 +35,7 @@ struct BenchArgs {
   int iters = 5;
   bool check = false;
   int64_t check_rows = 64;
-  int64_t block_q = 64;
+  int64_t block_q = 128;
   int64_t block_kv = 128;
   uint64_t seed = 0;
   double comm_timeout = 60;
