@@ -10,9 +10,10 @@
 // accumulators, FlashBackward, CopyConvert; dsinks from (sinks, lse, delta).
 // When a caller's view is already f32 and contiguous the kernels write into
 // it directly (no scratch, no copy).
-// Non-finite inputs (src/kernels/poison.h): one scan per call; only when it
-// finds something do the kernels run on cleaned copies, after which the rows
-// that depend on a poisoned input are overwritten with NaN.
+// Non-finite inputs (src/kernels/poison.h): the forward's kernel checks the
+// rows it reads, the backward scans its inputs once; only when either finds
+// something do the kernels run on cleaned copies, after which the rows that
+// depend on a poisoned input are overwritten with NaN.
 #include "ringsplash/attention.h"
 
 #include <atomic>
@@ -215,21 +216,18 @@ void AttentionForward(const AttentionInputs& in, const AttentionOptions& opt, Te
   F32Buffer lse32(lse, {dims.b, dims.h, dims.sq}, /*zero=*/false, "lse");
   KernelStats local;
 
-  // Non-finite inputs (poison.h). Optimistically, the kernel checks the rows
-  // it reads as it computes (FlashParams::non_finite) — no separate pass over
-  // the inputs. Only if it met a NaN/Inf (or a sink is one) is the call redone
-  // the exact way: scan, compute on cleaned copies, poison the dependent rows.
-  bool sinks_finite = true;
-  for (float x : pr.sinks) sinks_finite = sinks_finite && std::isfinite(x);
+  // Non-finite inputs (poison.h; sinks were validated finite). Optimistically,
+  // the kernel checks the rows it reads as it computes
+  // (FlashParams::non_finite) — no separate pass over the inputs. Only if it
+  // met a NaN/Inf is the call redone the exact way: scan, compute on cleaned
+  // copies, poison the dependent rows.
   std::atomic<bool> met_non_finite{false};
-  if (sinks_finite) {
-    pr.params.non_finite = &met_non_finite;
-    kernels::FlashForward(pr.params, lease.pool(), out32.get(), lse32.get(), &local);
-    pr.params.non_finite = nullptr;
-  }
+  pr.params.non_finite = &met_non_finite;
+  kernels::FlashForward(pr.params, lease.pool(), out32.get(), lse32.get(), &local);
+  pr.params.non_finite = nullptr;
   kernels::InputScan scan;
   CleanInputs clean;
-  if (!sinks_finite || met_non_finite.load()) {
+  if (met_non_finite.load()) {
     scan = kernels::ScanInputs(in.q, in.k, in.v, pr.sinks, &lease.pool());
     if (scan.any()) clean.Apply(scan, pr);
     local = KernelStats();
@@ -262,20 +260,10 @@ void AttentionBackward(const AttentionInputs& in, const AttentionOptions& opt, T
   const bool any_dout = kernels::ScanRows(dout, 1, dout_bad, &lease.pool());
   const bool any_out = kernels::ScanRows(out, 1, out_bad, &lease.pool());
   const auto rows = static_cast<size_t>(dims.b * dims.h * dims.sq);
-  // lse rows that are NaN or +inf (-inf is an empty row, not poison).
+  // lse rows [B, H, Sq] that are poisoned: given as NaN/+inf, or (below)
+  // depending on a poisoned q, k, v or sink.
   std::vector<char> lse_bad(rows, 0);
-  bool any_lse = false;
-  for (int64_t b = 0; b < dims.b; ++b) {
-    for (int64_t h = 0; h < dims.h; ++h) {
-      for (int64_t i = 0; i < dims.sq; ++i) {
-        const float x = LoadAsF32(lse, lse.Offset(b, h, i));
-        if (std::isnan(x) || x == std::numeric_limits<float>::infinity()) {
-          lse_bad[static_cast<size_t>((b * dims.h + h) * dims.sq + i)] = 1;
-          any_lse = true;
-        }
-      }
-    }
-  }
+  const bool any_lse = kernels::ScanLse(dims, lse, lse_bad.data());
   const bool poisoned = scan.any() || any_dout || any_out || any_lse;
 
   // Poison sets [B, H, Sq]: pr_rows (PR: out poisoned or bad dout; dq, dk,
@@ -286,22 +274,11 @@ void AttentionBackward(const AttentionInputs& in, const AttentionOptions& opt, T
   if (poisoned) {
     std::vector<char> lse_p, out_p;
     ForwardPoison(in, opt, pr, scan, lse_p, out_p);
+    for (size_t r = 0; r < rows; ++r) lse_bad[r] |= lse_p[r];
     pr_rows.assign(rows, 0);
     dv_src.assign(rows, 0);
-    for (int64_t b = 0; b < dims.b; ++b) {
-      for (int64_t h = 0; h < dims.h; ++h) {
-        for (int64_t i = 0; i < dims.sq; ++i) {
-          const auto r = static_cast<size_t>((b * dims.h + h) * dims.sq + i);
-          const auto t = static_cast<size_t>((b * dims.sq + i) * dims.h + h);
-          const bool lse_poisoned = lse_p[r] != 0 || lse_bad[r] != 0;
-          const bool out_poisoned = lse_poisoned || out_p[r] != 0 || (any_out && out_bad[t] != 0);
-          const bool dout_poisoned = any_dout && dout_bad[t] != 0;
-          lse_bad[r] = lse_poisoned;
-          pr_rows[r] = out_poisoned || dout_poisoned;
-          dv_src[r] = lse_poisoned || dout_poisoned;
-        }
-      }
-    }
+    kernels::BackwardSets(dims, lse_bad.data(), out_p.data(), out_bad, dout_bad, pr_rows.data(),
+                          dv_src.data());
     clean.Apply(scan, pr);
     if (any_dout) {
       clean_dout = kernels::CleanCopy(dout);
@@ -360,13 +337,7 @@ void AttentionBackward(const AttentionInputs& in, const AttentionOptions& opt, T
   if (!pr.sinks.empty()) {
     std::vector<float> ds(static_cast<size_t>(dims.h), 0.0f);
     kernels::AccumulateDSinks(RowShapeOf(dims), pr.sinks.data(), lse32, delta.data(), ds.data());
-    if (poisoned) {
-      for (size_t r = 0; r < rows; ++r) {
-        if (pr_rows[r] != 0)
-          ds[r / static_cast<size_t>(dims.sq) % static_cast<size_t>(dims.h)] =
-              std::numeric_limits<float>::quiet_NaN();
-      }
-    }
+    if (poisoned) kernels::PoisonDSinks(dims, pr_rows.data(), ds.data());
     for (int64_t h = 0; h < dims.h; ++h) StoreFromF32(dsinks, h * dsinks.stride[0], ds[h]);
   }
   if (stats != nullptr) *stats = local;

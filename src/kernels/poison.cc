@@ -245,6 +245,46 @@ void MarkBackward(const PairRule& rule, const AttentionDims& d, const char* pr, 
   }
 }
 
+bool ScanLse(const AttentionDims& d, const TensorView& lse, char* flags) {
+  bool any = false;
+  for (int64_t b = 0; b < d.b; ++b) {
+    for (int64_t h = 0; h < d.h; ++h) {
+      for (int64_t i = 0; i < d.sq; ++i) {
+        const float x = LoadAsF32(lse, lse.Offset(b, h, i));
+        if (std::isnan(x) || x == std::numeric_limits<float>::infinity()) {
+          flags[(b * d.h + h) * d.sq + i] = 1;
+          any = true;
+        }
+      }
+    }
+  }
+  return any;
+}
+
+void BackwardSets(const AttentionDims& d, const char* lse_p, const char* out_p,
+                  const std::vector<char>& out_bad, const std::vector<char>& dout_bad, char* pr,
+                  char* dv_src) {
+  for (int64_t b = 0; b < d.b; ++b) {
+    for (int64_t h = 0; h < d.h; ++h) {
+      for (int64_t i = 0; i < d.sq; ++i) {
+        const int64_t r = (b * d.h + h) * d.sq + i;
+        const auto t = static_cast<size_t>((b * d.sq + i) * d.h + h);
+        const bool dout_poisoned = !dout_bad.empty() && dout_bad[t] != 0;
+        const bool out_poisoned =
+            (out_p != nullptr && out_p[r] != 0) || (!out_bad.empty() && out_bad[t] != 0);
+        pr[r] = lse_p[r] != 0 || out_poisoned || dout_poisoned;
+        dv_src[r] = lse_p[r] != 0 || dout_poisoned;
+      }
+    }
+  }
+}
+
+void PoisonDSinks(const AttentionDims& d, const char* pr, float* ds) {
+  for (int64_t r = 0; r < d.b * d.h * d.sq; ++r) {
+    if (pr[r] != 0) ds[r / d.sq % d.h] = kNaN;
+  }
+}
+
 void FillQueryRows(float* buf, const AttentionDims& d, int64_t x, const char* rows_bhs) {
   for (int64_t b = 0; b < d.b; ++b) {
     for (int64_t h = 0; h < d.h; ++h) {

@@ -105,6 +105,22 @@ void MarkForward(const PairRule& rule, const AttentionDims& d, const char* kv_fl
 void MarkBackward(const PairRule& rule, const AttentionDims& d, const char* pr, const char* dv_src,
                   char* dk_p, char* dv_p);
 
+// Backward: lse rows [B, H, Sq] (a [B, H, Sq] view) that are NaN or +inf
+// get flags[r] = 1 (-inf is an empty row, not poison). Returns whether any did.
+bool ScanLse(const AttentionDims& d, const TensorView& lse, char* flags);
+
+// Backward poison sets of rows [B, H, Sq] (the table in docs/RELIABILITY.md):
+//   pr[r]     = lse_p | out_p | out_bad | dout_bad   (dq, dk, dsinks)
+//   dv_src[r] = lse_p | dout_bad                     (dv)
+// lse_p and out_p are [B, H, Sq] (out_p may be null); out_bad and dout_bad
+// are ScanRows flags [B, Sq, H] (may be empty: none bad).
+void BackwardSets(const AttentionDims& d, const char* lse_p, const char* out_p,
+                  const std::vector<char>& out_bad, const std::vector<char>& dout_bad, char* pr,
+                  char* dv_src);
+
+// ds[h] = NaN for every head h with a row flagged in `pr` ([B, H, Sq]).
+void PoisonDSinks(const AttentionDims& d, const char* pr, float* ds);
+
 // Writes NaN over the rows flagged in `rows_bhs` ([B, H, Sq]) of an f32
 // contiguous [B, Sq, H, X] buffer (out, dq).
 void FillQueryRows(float* buf, const AttentionDims& d, int64_t x, const char* rows_bhs);

@@ -71,35 +71,13 @@ struct BackwardPoison {
     const bool any_out = kernels::ScanRows(out, 1, out_bad);
     const auto rows = static_cast<size_t>(d.b * d.h * d.sq);
     lse_p.assign(rows, 0);
-    bool any_lse = false;
-    for (int64_t b = 0; b < d.b; ++b) {
-      for (int64_t h = 0; h < d.h; ++h) {
-        for (int64_t i = 0; i < d.sq; ++i) {
-          const float x = LoadAsF32(lse, lse.Offset(b, h, i));
-          // -inf is an empty row, not poison.
-          if (std::isnan(x) || x == std::numeric_limits<float>::infinity()) {
-            lse_p[static_cast<size_t>((b * d.h + h) * d.sq + i)] = 1;
-            any_lse = true;
-          }
-        }
-      }
-    }
+    const bool any_lse = kernels::ScanLse(d, lse, lse_p.data());
     kernels::MarkSinks(d, scan.sinks, lse_p.data());
     any = scan.any() || any_dout || any_out || any_lse;
     if (!any) return;
     pr.assign(rows, 0);
     dv_src.assign(rows, 0);
-    for (int64_t b = 0; b < d.b; ++b) {
-      for (int64_t h = 0; h < d.h; ++h) {
-        for (int64_t i = 0; i < d.sq; ++i) {
-          const auto r = static_cast<size_t>((b * d.h + h) * d.sq + i);
-          const auto t = static_cast<size_t>((b * d.sq + i) * d.h + h);
-          const bool dout_poisoned = any_dout && dout_bad[t] != 0;
-          pr[r] = lse_p[r] != 0 || (any_out && out_bad[t] != 0) || dout_poisoned;
-          dv_src[r] = lse_p[r] != 0 || dout_poisoned;
-        }
-      }
-    }
+    kernels::BackwardSets(d, lse_p.data(), nullptr, out_bad, dout_bad, pr.data(), dv_src.data());
   }
 };
 
@@ -221,15 +199,8 @@ void BackwardSteps(Communicator& comm, const RingSetup& s, const AttentionInputs
     std::vector<float> ds(static_cast<size_t>(d.h), 0.0f);
     kernels::AccumulateDSinks(s.Rows(), sinks.data(), lse32.data_as<float>(), delta.data(),
                               ds.data());
-    if (poison.any) {
-      // NaN joins the all-reduce sum: dsinks[h] is NaN on every rank.
-      for (size_t r = 0; r < poison.pr.size(); ++r) {
-        if (poison.pr[r] != 0) {
-          ds[r / static_cast<size_t>(d.sq) % static_cast<size_t>(d.h)] =
-              std::numeric_limits<float>::quiet_NaN();
-        }
-      }
-    }
+    // NaN joins the all-reduce sum: dsinks[h] is NaN on every rank.
+    if (poison.any) kernels::PoisonDSinks(d, poison.pr.data(), ds.data());
     comm.AllReduceSum(ds.data(), ds.size());
     for (int64_t h = 0; h < d.h; ++h) StoreFromF32(dsinks, h * dsinks.stride[0], ds[h]);
   }
