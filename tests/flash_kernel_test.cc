@@ -10,6 +10,7 @@
 #include <cstring>
 #include <limits>
 #include <numeric>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
@@ -299,6 +300,88 @@ TEST(FlashTest, MasksGqaAndBlockShapes) {
       s.blocks = {64, 16};
       CheckAgainstReference({1, 70, 90, 6, 1, 24, 16}, DType::kF32, s, true, ++seed);
     }
+  }
+}
+
+// Whether FlashForward reads the K and V of `prob` through per-thread tile
+// copies (KvTileCache): f32 rows strided by other heads, or V rows of 512
+// bytes and more, in tiles used too rarely for a copy per call.
+bool UsesTileCopies(const Problem& prob, const RunConfig& s) {
+  const FlashParams p = prob.Params(s);
+  const kernels::Geometry g = kernels::Geometry::Of(p);
+  const kernels::TilePlan plan(p, g, /*by_column=*/false);
+  ThreadPool pool(1);
+  return kernels::KvRows(p, g, kernels::KvRows::KeyFormat::kF32, plan.UsesPerKvTile(), pool,
+                         /*tile_cache=*/true)
+      .tile_cache();
+}
+
+// Sliding windows over [B, S, H, D] tensors: K and V tiles are copied per
+// thread as tasks use them, tasks run in runs of neighbouring q blocks. The
+// result matches the reference and does not depend on the thread count
+// (which thread copied which tile).
+TEST(FlashTest, WindowTileCopiesMatchReferenceOnAnyThreadCount) {
+  uint64_t seed = 250;
+  for (KernelPath path : SupportedKernelPaths()) {
+    const Shape sh{2, 300, 300, 4, 2, 64, 48};
+    ProblemSpec spec;
+    spec.b = sh.b;
+    spec.sq = sh.sq;
+    spec.skv = sh.skv;
+    spec.h = sh.h;
+    spec.hkv = sh.hkv;
+    spec.d = sh.d;
+    spec.dv = sh.dv;
+    RunConfig s;
+    s.path = path;
+    s.mask = Mask::Causal() & Mask::Local(40, std::nullopt);
+    s.blocks = {32, 16};
+    Problem prob(++seed, spec);
+    ASSERT_TRUE(UsesTileCopies(prob, s));
+    CheckAgainstReference(sh, DType::kF32, s, /*segments=*/false, seed, /*backward=*/false);
+    s.threads = 1;
+    const Result r1 = prob.Run(s, false);
+    for (int threads : {2, 3}) {
+      s.threads = threads;
+      const Result rn = prob.Run(s, false);
+      EXPECT_EQ(std::memcmp(r1.out.data(), rn.out.data(), r1.out.size() * 4), 0) << threads;
+      EXPECT_EQ(std::memcmp(r1.lse.data(), rn.lse.data(), r1.lse.size() * 4), 0) << threads;
+    }
+  }
+}
+
+// One thread runs these calls in turn, so its tile copies outlive each call:
+// two shapes whose copies have the same size but split it differently
+// between K and V (once read with the previous call's split), and a q block
+// that uses more tiles than the cache has slots (least recently used
+// copies are replaced while the block runs).
+TEST(FlashTest, TileCopiesAcrossShapesAndEvictions) {
+  struct Case {
+    Shape shape;
+    BlockSizes blocks;
+  };
+  const std::vector<Case> cases = {
+      {{1, 40, 96, 2, 2, 16, 32}, {32, 32}},      // copies of 32 x (16 + 32) floats
+      {{1, 40, 96, 2, 2, 16, 16}, {32, 48}},      // 48 x (16 + 16): same size
+      {{1, 16, 4096, 2, 1, 128, 128}, {16, 16}},  // 256 tiles for one q block
+  };
+  uint64_t seed = 270;
+  for (const Case& c : cases) {
+    ProblemSpec spec;
+    spec.b = c.shape.b;
+    spec.sq = c.shape.sq;
+    spec.skv = c.shape.skv;
+    spec.h = c.shape.h;
+    spec.hkv = c.shape.hkv;
+    spec.d = c.shape.d;
+    spec.dv = c.shape.dv;
+    RunConfig s;
+    s.path = SupportedKernelPaths().back();
+    s.mask = Mask::Full();
+    s.blocks = c.blocks;
+    s.threads = 1;
+    ASSERT_TRUE(UsesTileCopies(Problem(++seed, spec), s));
+    CheckAgainstReference(c.shape, DType::kF32, s, /*segments=*/false, seed, /*backward=*/false);
   }
 }
 

@@ -2,10 +2,12 @@
 #include "src/kernels/flash_common.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <span>
 
 #include "src/kernels/micro.h"
+#include "src/kernels/poison.h"
 
 namespace ringsplash::kernels {
 
@@ -134,8 +136,10 @@ double TilePlan::UsesPerKvTile() const {
 }
 
 KvRows::KvRows(const FlashParams& p, const Geometry& g, KeyFormat keys, double uses,
-               ThreadPool& pool)
-    : g_(g) {
+               ThreadPool& pool, bool tile_cache)
+    : g_(g), k_view_(&p.k), v_view_(&p.v) {
+  static std::atomic<uint64_t> next_id{1};
+  id_ = next_id.fetch_add(1, std::memory_order_relaxed);
   const TensorView& k = p.k;
   const TensorView& v = p.v;
   for (int i = 0; i < 3; ++i) {
@@ -161,6 +165,10 @@ KvRows::KvRows(const FlashParams& p, const Geometry& g, KeyFormat keys, double u
     v_in_place_ = static_cast<const float*>(v.data);
     ldv_ = v.stride[1];
   }
+  // Both in place, at least one of them only because a copy per call would
+  // not pay: copies per thread (KvTileCache) avoid the aliasing instead.
+  tile_cache_ = tile_cache && keys == KeyFormat::kF32 && k_in_place_ != nullptr &&
+                v_in_place_ != nullptr && !(k_rows_dense && v_like_packed);
   const int64_t tiles = g.b * g.hkv * g.nkvb;
   const int64_t d2 = micro::RoundUp(g.d, 2);
   const bool pack_k = k_in_place_ == nullptr, pack_v = v_in_place_ == nullptr;
@@ -214,6 +222,41 @@ const float* KvRows::Values(int64_t b, int64_t kh, int64_t kvb) const {
     return v_in_place_ + b * v_stride_[0] + kvb * g_.bkv * v_stride_[1] + kh * v_stride_[2];
   }
   return v_packed_.data() + Tile(b, kh, kvb) * v_elems_;
+}
+
+KvTileCache::Tile KvTileCache::Get(const KvRows& kv, int64_t b, int64_t kh, int64_t kvb,
+                                   bool* non_finite) {
+  const Geometry& g = kv.g_;
+  const int64_t k_floats = g.bkv * g.ld_d, slot_floats = k_floats + g.bkv * g.ld_dv;
+  if (k_floats != k_floats_ || slot_floats != slot_floats_) {  // first use, or other shapes
+    const int64_t count = std::clamp<int64_t>(
+        kBudgetBytes / (slot_floats * static_cast<int64_t>(sizeof(float))), 2, 16);
+    k_floats_ = k_floats;
+    slot_floats_ = slot_floats;
+    slots_.assign(static_cast<size_t>(count), Slot{});
+    data_.Resize(static_cast<size_t>(count * slot_floats), /*zero=*/false);
+  }
+  const int64_t tile = kv.Tile(b, kh, kvb);
+  ++clock_;
+  Slot* victim = slots_.data();
+  for (Slot& s : slots_) {
+    if (s.call == kv.id_ && s.tile == tile) {
+      s.last_use = clock_;
+      float* k = data_.data() + (&s - slots_.data()) * slot_floats_;
+      return {k, k + k_floats_};
+    }
+    if (s.last_use < victim->last_use) victim = &s;
+  }
+  float* k = data_.data() + (victim - slots_.data()) * slot_floats_;
+  const int64_t n = g.KvRows(kvb);
+  PackRowsF32(Slab{kv.k_view_, b, kh, kvb * g.bkv, n, g.d}, k, g.ld_d, n);
+  PackRowsF32(Slab{kv.v_view_, b, kh, kvb * g.bkv, n, g.dv}, k + k_floats_, g.ld_dv, n);
+  if (non_finite != nullptr &&
+      (AnyNonFiniteF32(k, n, g.d, g.ld_d) || AnyNonFiniteF32(k + k_floats_, n, g.dv, g.ld_dv))) {
+    *non_finite = true;
+  }
+  *victim = Slot{kv.id_, tile, clock_};
+  return {k, k + k_floats_};
 }
 
 void PackTransposed(const micro::MicroKernels& mk, const TensorView& t, int64_t b, int64_t head,

@@ -91,11 +91,16 @@ class TileMask {
 //     least kPackMinUses times on average (`uses`: computed tiles per kv tile
 //     of a batch, over all query heads of its group) — dense masks and long
 //     rows, not sliding windows — or when it cannot be read in place.
+// With `tile_cache` (the forward), tiles that would be read in place at such
+// strides only because they are used too rarely for a copy per call are
+// instead copied per thread as they are used (KvTileCache): tile_cache()
+// says so, and the loop must then read K and V from the cache.
 class KvRows {
  public:
   enum class KeyFormat { kF32, kF32Padded, kBf16 };  // kF32Padded: rows of ld_d, zero padded
   static constexpr double kPackMinUses = 8.0;
-  KvRows(const FlashParams& p, const Geometry& g, KeyFormat keys, double uses, ThreadPool& pool);
+  KvRows(const FlashParams& p, const Geometry& g, KeyFormat keys, double uses, ThreadPool& pool,
+         bool tile_cache = false);
   const float* Keys(int64_t b, int64_t kh, int64_t kvb) const;
   int64_t ldk() const { return ldk_; }
   const uint16_t* KeysBf16(int64_t b, int64_t kh, int64_t kvb) const;  // ld RoundUp(D, 2)
@@ -103,18 +108,56 @@ class KvRows {
   int64_t ldv() const { return ldv_; }
   bool keys_in_place() const { return k_in_place_ != nullptr; }
   bool values_in_place() const { return v_in_place_ != nullptr; }
+  bool tile_cache() const { return tile_cache_; }
 
  private:
+  friend class KvTileCache;
   int64_t Tile(int64_t b, int64_t kh, int64_t kvb) const {
     return (b * g_.hkv + kh) * g_.nkvb + kvb;
   }
   const Geometry& g_;
+  const TensorView* k_view_ = nullptr;
+  const TensorView* v_view_ = nullptr;
+  uint64_t id_ = 0;  // unique per instance: tells a cache which call a copy is from
+  bool tile_cache_ = false;
   const float* k_in_place_ = nullptr;
   const float* v_in_place_ = nullptr;
   int64_t k_stride_[3] = {0, 0, 0}, v_stride_[3] = {0, 0, 0};  // b, s, head
   int64_t ldk_ = 0, ldv_ = 0, k_elems_ = 0, v_elems_ = 0;
   AlignedBuffer<float> k_packed_, v_packed_;
   AlignedBuffer<uint16_t> k_bf16_;
+};
+
+// Per-thread copies of the kv tiles a worker used last, for calls with
+// KvRows::tile_cache(): K and V rows of a tile are packed (leading
+// dimensions ld_d and ld_dv) on the thread's first use and reused by its next
+// tasks — neighbouring q blocks of a sliding window share all but one tile —
+// least recently used out first. A copy is exact, so results do not depend
+// on hits and misses. About kBudgetBytes per thread, kept for the thread's
+// lifetime (about half of a 2 MiB L2: the copies are meant to stay there).
+class KvTileCache {
+ public:
+  static constexpr int64_t kBudgetBytes = 1280 * 1024;
+  struct Tile {
+    const float* k;  // K(j, c) = k[j * ld_d + c]
+    const float* v;  // V(j, c) = v[j * ld_dv + c]
+  };
+  // With non_finite, a copy made here sets *non_finite if the tile's K or V
+  // rows hold a NaN or an infinity (checked on the copy, which is in cache).
+  // Every tile a thread computes is copied by it at least once per call, so
+  // this checks each computed tile (FlashParams::non_finite).
+  Tile Get(const KvRows& kv, int64_t b, int64_t kh, int64_t kvb, bool* non_finite = nullptr);
+
+ private:
+  struct Slot {
+    uint64_t call = 0;  // KvRows::id_ (0: empty)
+    int64_t tile = -1;
+    uint64_t last_use = 0;
+  };
+  std::vector<Slot> slots_;
+  AlignedBuffer<float> data_;
+  int64_t k_floats_ = 0, slot_floats_ = 0;
+  uint64_t clock_ = 0;
 };
 
 // Q^T (or dO^T) of rows [r0, r0 + rows) of head `head` of batch b of a

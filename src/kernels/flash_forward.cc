@@ -11,13 +11,18 @@
 //
 // K and V rows are read where they are: f32 inputs with unit inner stride
 // are used in place (no copy, no per-call memory growth — what lets a long
-// ring step stay within its inputs' memory); other inputs, and V rows whose
-// stride would alias in L1, are packed once per call. Per-thread scratch
-// lives as long as its thread (pool threads persist), so a call allocates
-// nothing per tile and, with in-place K/V, nothing of size O(S).
+// ring step stay within its inputs' memory); other inputs, and rows whose
+// stride would alias in L1, are packed once per call when tiles are used
+// often (dense masks), else copied per thread as tasks use them
+// (KvTileCache: sliding windows, short rows). Per-thread scratch lives as
+// long as its thread (pool threads persist), so a call allocates nothing per
+// tile and, without a per-call copy, nothing of size O(S).
+#include <immintrin.h>  // SSE2 non-temporal stores (x86-64 baseline)
+
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <limits>
 #include <vector>
@@ -37,6 +42,7 @@ using mask::BlockKind;
 using micro::RoundUp;
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+constexpr int64_t kStreamMinFloats = int64_t{4} << 20;  // 16 MiB of output
 
 // The bf16 product path: K Q^T with vdpbf16ps on bf16 operands (bf16 inputs
 // only, so nothing is rounded that was not already bf16); the softmax and
@@ -50,6 +56,7 @@ struct Workspace {
   AlignedBuffer<float> qt, pt, acc, row_max, row_sum, alpha, tile;
   AlignedBuffer<uint16_t> qt_bf16;
   TileMask mask;
+  KvTileCache kv_cache;
 
   static Workspace& ForThisThread(const Geometry& g, bool bf16) {
     thread_local Workspace ws;
@@ -67,11 +74,27 @@ struct Workspace {
   }
 };
 
+// dst[c] = src[c] * s for c < n. With `stream`, 16-byte aligned rows are
+// written with non-temporal stores: a large output is written once and not
+// read back by the kernel, so fetching its lines first (read for ownership)
+// would double the memory traffic of the last step (~5 % of a sliding-window
+// forward at S = 32768). The caller orders them with a fence (_mm_sfence).
+void ScaleRow(float* dst, const float* src, int64_t n, float s, bool stream) {
+  if (stream && reinterpret_cast<uintptr_t>(dst) % 16 == 0) {
+    const __m128 vs = _mm_set1_ps(s);
+    int64_t c = 0;
+    for (; c + 4 <= n; c += 4) _mm_stream_ps(dst + c, _mm_mul_ps(_mm_loadu_ps(src + c), vs));
+    for (; c < n; ++c) dst[c] = src[c] * s;
+    return;
+  }
+  for (int64_t c = 0; c < n; ++c) dst[c] = src[c] * s;
+}
+
 // out = acc / l and lse = m + log(l) for the task's rows (0 and -inf for a
 // row without keys); with `merge`, that partial result is merged into the
 // rows' existing (out, lse) by MergePartial, one row at a time.
 void FinishRows(const Geometry& g, int64_t b, int64_t h, int64_t qb, int64_t m, Workspace& ws,
-                bool merge, float* out, float* lse) {
+                bool merge, bool stream, float* out, float* lse) {
   for (int64_t i = 0; i < m; ++i) {
     const int64_t row = qb * g.bq + i;
     float* o = out + ((b * g.sq + row) * g.h + h) * g.dv;
@@ -83,7 +106,7 @@ void FinishRows(const Geometry& g, int64_t b, int64_t h, int64_t qb, int64_t m, 
     if (l > 0.0f) {
       const float* a = ws.acc.data() + i * g.ld_dv;
       const float inv = 1.0f / l;
-      for (int64_t c = 0; c < g.dv; ++c) part[c] = a[c] * inv;
+      ScaleRow(part, a, g.dv, inv, stream && !merge);
       part_lse = ws.row_max[i] + std::log(l);
     } else {
       std::memset(part, 0, static_cast<size_t>(g.dv) * sizeof(float));
@@ -110,19 +133,21 @@ void Forward(const FlashParams& p, ThreadPool& pool, bool merge, float* out, flo
   const bool bf16 = UseBf16Scores(p, mk);
   const TilePlan plan(p, g, /*by_column=*/false);
   const KvRows kv(p, g, bf16 ? KvRows::KeyFormat::kBf16 : KvRows::KeyFormat::kF32,
-                  plan.UsesPerKvTile(), pool);
+                  plan.UsesPerKvTile(), pool, /*tile_cache=*/true);
   std::vector<WorkerStats> wstats(static_cast<size_t>(pool.size()));
   // FlashParams::non_finite: each kv tile (b, kv head, kvb) is checked by the
-  // first task that computes it; q rows by their own task.
+  // first task that computes it (with per-thread tile copies: by every copy,
+  // in cache); q rows by their own task.
   const bool check = p.non_finite != nullptr;
   std::vector<std::atomic<bool>> kv_checked(check ? static_cast<size_t>(g.b * g.hkv * g.nkvb) : 0);
 
   const int64_t d2 = RoundUp(g.d, 2);
-  pool.ParallelFor(g.b * g.h * g.nqb, [&](int64_t task, int worker) {
-    // Last q blocks first: under causal masks they carry the most tiles.
-    const int64_t qb = g.nqb - 1 - task % g.nqb;
-    const int64_t h = (task / g.nqb) % g.h;
-    const int64_t b = task / (g.nqb * g.h);
+  // Outputs larger than the caches are written past them (ScaleRow).
+  const bool stream = !merge && g.b * g.sq * g.h * g.dv >= kStreamMinFloats;
+  // One q block qb of (batch, head) bh = b * H + h.
+  auto Task = [&](int64_t bh, int64_t qb, int worker) {
+    const int64_t h = bh % g.h;
+    const int64_t b = bh / g.h;
     const int64_t kh = h / g.group;
     const int64_t m = g.QRows(qb);
     Workspace& ws = Workspace::ForThisThread(g, bf16);
@@ -155,8 +180,9 @@ void Forward(const FlashParams& p, ThreadPool& pool, bool merge, float* out, flo
         const BlockKind kind = plan.Refine(run.kind, b, qb, kvb);
         if (kind == BlockKind::kEmpty) continue;
         const int64_t n = g.KvRows(kvb);
-        if (check && !kv_checked[static_cast<size_t>((b * g.hkv + kh) * g.nkvb + kvb)].exchange(
-                         true, std::memory_order_relaxed)) {
+        if (check && !kv.tile_cache() &&
+            !kv_checked[static_cast<size_t>((b * g.hkv + kh) * g.nkvb + kvb)].exchange(
+                true, std::memory_order_relaxed)) {
           if (AnyNonFinite(p.k, b, kvb * g.bkv, n, kh) ||
               AnyNonFinite(p.v, b, kvb * g.bkv, n, kh)) {
             p.non_finite->store(true);
@@ -171,6 +197,8 @@ void Forward(const FlashParams& p, ThreadPool& pool, bool merge, float* out, flo
           t.ldm = ws.mask.ldm();
           keys = ws.mask.keys_of_query();
         }
+        const float* values = kv.Values(b, kh, kvb);
+        int64_t ldv = kv.ldv();
         if (bf16) {
           mk.gemm_bf16(n, RoundUp(m, micro::kVec), d2 / 2, kv.KeysBf16(b, kh, kvb), d2,
                        ws.qt_bf16.data(), g.ld_q, t.pt, t.ldp, nullptr, false);
@@ -178,11 +206,20 @@ void Forward(const FlashParams& p, ThreadPool& pool, bool merge, float* out, flo
         } else {
           t.k = kv.Keys(b, kh, kvb);
           t.ldk = kv.ldk();
+          if (kv.tile_cache()) {
+            bool bad = false;
+            const KvTileCache::Tile copy = ws.kv_cache.Get(kv, b, kh, kvb, check ? &bad : nullptr);
+            if (bad) p.non_finite->store(true);
+            t.k = copy.k;
+            t.ldk = g.ld_d;
+            values = copy.v;
+            ldv = g.ld_dv;
+          }
           mk.forward_tile(t, ws.row_max.data(), ws.row_sum.data(), ws.alpha.data());
         }
         // The first tile initialises acc (a task with no tile never reads it).
-        mk.gemm_f32_ranges(m, g.dvp, n, t.pt, 1, t.ldp, kv.Values(b, kh, kvb), kv.ldv(),
-                           ws.acc.data(), g.ld_dv, ws.alpha.data(), computed > 0, keys);
+        mk.gemm_f32_ranges(m, g.dvp, n, t.pt, 1, t.ldp, values, ldv, ws.acc.data(), g.ld_dv,
+                           ws.alpha.data(), computed > 0, keys);
         ++computed;
         (kind == BlockKind::kFull ? st.full : st.partial) += 1;
         st.flops += 2 * m * n * (g.d + g.dv);
@@ -190,7 +227,24 @@ void Forward(const FlashParams& p, ThreadPool& pool, bool merge, float* out, flo
     }
     st.computed += computed;
     st.skipped += g.nkvb - computed;
-    FinishRows(g, b, h, qb, m, ws, merge, out, lse);
+    FinishRows(g, b, h, qb, m, ws, merge, stream, out, lse);
+    if (stream) _mm_sfence();
+  };
+  // Work items are runs of `chunk` consecutive q blocks of one (batch, head),
+  // the last runs first (under causal masks they carry the most tiles), each
+  // run in ascending order: with per-thread kv tile copies, a thread's next
+  // q block then finds all but its newest tile in its cache (LRU order).
+  // Runs stay short enough (>= 16 per worker) for dynamic balancing.
+  const int64_t chunk =
+      kv.tile_cache()
+          ? std::clamp<int64_t>(g.b * g.h * g.nqb / (16 * static_cast<int64_t>(pool.size())), 1, 8)
+          : 1;
+  const int64_t runs_per_head = (g.nqb + chunk - 1) / chunk;
+  pool.ParallelFor(g.b * g.h * runs_per_head, [&](int64_t item, int worker) {
+    const int64_t run_hi = g.nqb - (item % runs_per_head) * chunk;
+    for (int64_t qb = std::max<int64_t>(0, run_hi - chunk); qb < run_hi; ++qb) {
+      Task(item / runs_per_head, qb, worker);
+    }
   });
   AddStats(wstats, stats);
 }

@@ -157,8 +157,10 @@ OwnedInputs PoisonProblem(const PoisonCase& c, Tensor* dout) {
   spec.b = 1;
   spec.sq = 96;
   spec.skv = 96;
-  spec.h = 2;
-  spec.hkv = 1;
+  // Two kv heads: K rows strided by the other head, so the forward reads
+  // K and V through its per-thread tile copies (and checks those).
+  spec.h = 4;
+  spec.hkv = 2;
   spec.d = 16;
   spec.dv = 16;
   spec.sinks = c.sinks;
