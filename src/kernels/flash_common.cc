@@ -7,7 +7,6 @@
 #include <span>
 
 #include "src/kernels/micro.h"
-#include "src/kernels/poison.h"
 
 namespace ringsplash::kernels {
 
@@ -137,7 +136,7 @@ double TilePlan::UsesPerKvTile() const {
 
 KvRows::KvRows(const FlashParams& p, const Geometry& g, KeyFormat keys, double uses,
                ThreadPool& pool, bool tile_cache)
-    : g_(g), k_view_(&p.k), v_view_(&p.v) {
+    : g_(g) {
   static std::atomic<uint64_t> next_id{1};
   id_ = next_id.fetch_add(1, std::memory_order_relaxed);
   const TensorView& k = p.k;
@@ -249,12 +248,10 @@ KvTileCache::Tile KvTileCache::Get(const KvRows& kv, int64_t b, int64_t kh, int6
   }
   float* k = data_.data() + (victim - slots_.data()) * slot_floats_;
   const int64_t n = g.KvRows(kvb);
-  PackRowsF32(Slab{kv.k_view_, b, kh, kvb * g.bkv, n, g.d}, k, g.ld_d, n);
-  PackRowsF32(Slab{kv.v_view_, b, kh, kvb * g.bkv, n, g.dv}, k + k_floats_, g.ld_dv, n);
-  if (non_finite != nullptr &&
-      (AnyNonFiniteF32(k, n, g.d, g.ld_d) || AnyNonFiniteF32(k + k_floats_, n, g.dv, g.ld_dv))) {
-    *non_finite = true;
-  }
+  // tile_cache() implies f32 K and V read in place (unit inner stride).
+  bool bad = CopyRowsF32(kv.Keys(b, kh, kvb), kv.ldk(), n, g.d, k, g.ld_d);
+  bad = CopyRowsF32(kv.Values(b, kh, kvb), kv.ldv(), n, g.dv, k + k_floats_, g.ld_dv) || bad;
+  if (non_finite != nullptr && bad) *non_finite = true;
   *victim = Slot{kv.id_, tile, clock_};
   return {k, k + k_floats_};
 }

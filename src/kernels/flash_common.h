@@ -116,8 +116,6 @@ class KvRows {
     return (b * g_.hkv + kh) * g_.nkvb + kvb;
   }
   const Geometry& g_;
-  const TensorView* k_view_ = nullptr;
-  const TensorView* v_view_ = nullptr;
   uint64_t id_ = 0;  // unique per instance: tells a cache which call a copy is from
   bool tile_cache_ = false;
   const float* k_in_place_ = nullptr;

@@ -234,10 +234,10 @@ void Forward(const FlashParams& p, ThreadPool& pool, bool merge, float* out, flo
   // the last runs first (under causal masks they carry the most tiles), each
   // run in ascending order: with per-thread kv tile copies, a thread's next
   // q block then finds all but its newest tile in its cache (LRU order).
-  // Runs stay short enough (>= 16 per worker) for dynamic balancing.
+  // Runs stay short enough (>= 8 per worker) for dynamic balancing.
   const int64_t chunk =
       kv.tile_cache()
-          ? std::clamp<int64_t>(g.b * g.h * g.nqb / (16 * static_cast<int64_t>(pool.size())), 1, 8)
+          ? std::clamp<int64_t>(g.b * g.h * g.nqb / (8 * static_cast<int64_t>(pool.size())), 1, 32)
           : 1;
   const int64_t runs_per_head = (g.nqb + chunk - 1) / chunk;
   pool.ParallelFor(g.b * g.h * runs_per_head, [&](int64_t item, int worker) {

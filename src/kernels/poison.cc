@@ -125,15 +125,6 @@ bool AnyNonFinite(const TensorView& t, int64_t b, int64_t s0, int64_t rows, int6
   return bad;
 }
 
-bool AnyNonFiniteF32(const float* data, int64_t rows, int64_t cols, int64_t ld) {
-  bool bad = false;
-  for (int64_t r = 0; r < rows; ++r) {
-    bad |= RowNonFiniteBits<uint32_t>(reinterpret_cast<const uint32_t*>(data + r * ld), cols,
-                                      0x7FFFFFFFu, 0x7F800000u);
-  }
-  return bad;
-}
-
 InputScan ScanInputs(const TensorView& q, const TensorView& k, const TensorView& v,
                      const std::vector<float>& sinks, ThreadPool* pool) {
   InputScan s;

@@ -53,9 +53,6 @@ bool ScanRows(const TensorView& t, char bit, std::vector<char>& flags, ThreadPoo
 // [B, S, Heads, X] hold a NaN or an infinity.
 bool AnyNonFinite(const TensorView& t, int64_t b, int64_t s0, int64_t rows, int64_t head);
 
-// Whether data[r * ld + c] (r < rows, c < cols; f32) holds a NaN or an infinity.
-bool AnyNonFiniteF32(const float* data, int64_t rows, int64_t cols, int64_t ld);
-
 // Non-finite rows of the inputs of one call (or one rank's part of it).
 struct InputScan {
   std::vector<char> q;      // [B, Sq, H]
