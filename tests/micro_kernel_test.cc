@@ -138,6 +138,48 @@ TEST(MicroKernelTest, TransposeF32IsExact) {
   }
 }
 
+// copy_rows_f32 copies exactly (bit patterns, NaN payloads included), zero
+// pads to ldd and reports a NaN or an infinity wherever it sits (first,
+// middle or last row; a column in the vector tail), never one beyond cols.
+TEST(MicroKernelTest, CopyRowsF32CopiesPadsAndFindsNonFinite) {
+  Rng rng(6);
+  const float kNaN = std::numeric_limits<float>::quiet_NaN();
+  const float kInfF = std::numeric_limits<float>::infinity();
+  for (KernelPath path : SupportedKernelPaths()) {
+    const kernels::micro::MicroKernels& mk = kernels::micro::MicroKernelsFor(path);
+    for (int64_t rows : {1, 7, 20}) {
+      for (int64_t cols : {1, 16, 37, 128}) {
+        const int64_t lds = 3 * cols + 5, ldd = RoundUpTo16(cols) + 16;
+        std::vector<float> src = RandomFloats(rng, static_cast<size_t>(rows * lds));
+        // Non-finite values outside the copied columns must not count.
+        for (int64_t r = 0; r < rows; ++r) {
+          for (int64_t c = cols; c < lds; ++c) src[static_cast<size_t>(r * lds + c)] = kNaN;
+        }
+        for (int poison = 0; poison < 4; ++poison) {  // none, NaN, +inf, -inf
+          std::vector<float> s = src;
+          if (poison > 0) {
+            const int64_t r = (poison * 5) % rows, c = cols - 1 - (poison * 3) % cols;
+            s[static_cast<size_t>(r * lds + c)] = poison == 1 ? kNaN : poison == 2 ? kInfF : -kInfF;
+          }
+          std::vector<float> dst(static_cast<size_t>(rows * ldd + 16), 7.0f);
+          const bool bad = mk.copy_rows_f32(s.data(), lds, rows, cols, dst.data(), ldd);
+          EXPECT_EQ(bad, poison > 0)
+              << KernelPathName(path) << " rows " << rows << " cols " << cols;
+          for (int64_t r = 0; r < rows; ++r) {
+            EXPECT_EQ(std::memcmp(&dst[static_cast<size_t>(r * ldd)],
+                                  &s[static_cast<size_t>(r * lds)], static_cast<size_t>(cols) * 4),
+                      0);
+            for (int64_t c = cols; c < ldd; ++c) {
+              EXPECT_EQ(dst[static_cast<size_t>(r * ldd + c)], 0.0f);
+            }
+          }
+          EXPECT_EQ(dst[static_cast<size_t>(rows * ldd)], 7.0f);  // nothing beyond the rows
+        }
+      }
+    }
+  }
+}
+
 TEST(MicroKernelTest, MaskBitsTransposesAndFindsRanges) {
   Rng rng(5);
   for (KernelPath path : SupportedKernelPaths()) {

@@ -223,8 +223,8 @@ const float* KvRows::Values(int64_t b, int64_t kh, int64_t kvb) const {
   return v_packed_.data() + Tile(b, kh, kvb) * v_elems_;
 }
 
-KvTileCache::Tile KvTileCache::Get(const KvRows& kv, int64_t b, int64_t kh, int64_t kvb,
-                                   bool* non_finite) {
+KvTileCache::Tile KvTileCache::Get(const KvRows& kv, const micro::MicroKernels& mk, int64_t b,
+                                   int64_t kh, int64_t kvb, bool* non_finite) {
   const Geometry& g = kv.g_;
   const int64_t k_floats = g.bkv * g.ld_d, slot_floats = k_floats + g.bkv * g.ld_dv;
   if (k_floats != k_floats_ || slot_floats != slot_floats_) {  // first use, or other shapes
@@ -249,8 +249,8 @@ KvTileCache::Tile KvTileCache::Get(const KvRows& kv, int64_t b, int64_t kh, int6
   float* k = data_.data() + (victim - slots_.data()) * slot_floats_;
   const int64_t n = g.KvRows(kvb);
   // tile_cache() implies f32 K and V read in place (unit inner stride).
-  bool bad = CopyRowsF32(kv.Keys(b, kh, kvb), kv.ldk(), n, g.d, k, g.ld_d);
-  bad = CopyRowsF32(kv.Values(b, kh, kvb), kv.ldv(), n, g.dv, k + k_floats_, g.ld_dv) || bad;
+  bool bad = mk.copy_rows_f32(kv.Keys(b, kh, kvb), kv.ldk(), n, g.d, k, g.ld_d);
+  bad = mk.copy_rows_f32(kv.Values(b, kh, kvb), kv.ldv(), n, g.dv, k + k_floats_, g.ld_dv) || bad;
   if (non_finite != nullptr && bad) *non_finite = true;
   *victim = Slot{kv.id_, tile, clock_};
   return {k, k + k_floats_};

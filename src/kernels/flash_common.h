@@ -144,7 +144,8 @@ class KvTileCache {
   // rows hold a NaN or an infinity (checked on the copy, which is in cache).
   // Every tile a thread computes is copied by it at least once per call, so
   // this checks each computed tile (FlashParams::non_finite).
-  Tile Get(const KvRows& kv, int64_t b, int64_t kh, int64_t kvb, bool* non_finite = nullptr);
+  Tile Get(const KvRows& kv, const micro::MicroKernels& mk, int64_t b, int64_t kh, int64_t kvb,
+           bool* non_finite = nullptr);
 
  private:
   struct Slot {

@@ -208,7 +208,8 @@ void Forward(const FlashParams& p, ThreadPool& pool, bool merge, float* out, flo
           t.ldk = kv.ldk();
           if (kv.tile_cache()) {
             bool bad = false;
-            const KvTileCache::Tile copy = ws.kv_cache.Get(kv, b, kh, kvb, check ? &bad : nullptr);
+            const KvTileCache::Tile copy =
+                ws.kv_cache.Get(kv, mk, b, kh, kvb, check ? &bad : nullptr);
             if (bad) p.non_finite->store(true);
             t.k = copy.k;
             t.ldk = g.ld_d;

@@ -66,6 +66,14 @@ using GemmBf16Fn = void (*)(int64_t m, int64_t n, int64_t k2, const uint16_t* a,
 using TransposeF32Fn = void (*)(int64_t rows, int64_t cols, const float* src, int64_t lds,
                                 float* dst, int64_t ldd);
 
+// dst[r * ldd + c] = src[r * lds + c] for r < rows, c < cols (f32), zero for
+// cols <= c < ldd; returns whether a copied value is a NaN or an infinity.
+// Copies kv tiles for the per-thread tile cache (flash_common.h): the rows
+// are strided by other heads, which the hardware prefetchers do not follow,
+// so implementations ask for the rows a few ahead of the copy.
+using CopyRowsF32Fn = bool (*)(const float* src, int64_t lds, int64_t rows, int64_t cols,
+                               float* dst, int64_t ldd);
+
 // --- Tiles in the transposed layout -------------------------------------------
 // The flash loops hold score tiles TRANSPOSED: S^T = K Q^T with keys as rows
 // and queries as the 16 lanes of a vector. K (and V) rows are then read as
@@ -150,6 +158,7 @@ struct MicroKernels {
   GemmF32RangesFn gemm_f32_ranges = nullptr;
   GemmBf16Fn gemm_bf16 = nullptr;  // only on the avx512_bf16 path
   TransposeF32Fn transpose_f32 = nullptr;
+  CopyRowsF32Fn copy_rows_f32 = nullptr;
   MaskBitsFn mask_bits = nullptr;
   SoftmaxColumnsFn softmax_columns = nullptr;
   ForwardTileFn forward_tile = nullptr;

@@ -3,6 +3,7 @@
 // paths and the fallback on CPUs without AVX-512. Also holds the dispatcher,
 // since this translation unit is compiled for baseline x86-64.
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -147,6 +148,22 @@ void BackwardTile(const BackwardTileArgs& b) {
   }
 }
 
+bool CopyRowsF32(const float* src, int64_t lds, int64_t rows, int64_t cols, float* dst,
+                 int64_t ldd) {
+  // |bits| >= the infinity pattern: exponent all ones (branch-free).
+  uint32_t bad = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* s = src + r * lds;
+    float* d = dst + r * ldd;
+    for (int64_t c = 0; c < cols; ++c) {
+      bad |= static_cast<uint32_t>((std::bit_cast<uint32_t>(s[c]) & 0x7FFFFFFFu) >= 0x7F800000u);
+      d[c] = s[c];
+    }
+    for (int64_t c = cols; c < ldd; ++c) d[c] = 0.0f;
+  }
+  return bad != 0;
+}
+
 }  // namespace
 
 const MicroKernels& PortableMicroKernels() {
@@ -157,6 +174,7 @@ const MicroKernels& PortableMicroKernels() {
     t.gemm_f32_ranges = GemmF32Ranges;
     t.mask_bits = MaskBits;
     t.transpose_f32 = TransposeF32;
+    t.copy_rows_f32 = CopyRowsF32;
     t.softmax_columns = SoftmaxColumns;
     t.forward_tile = ForwardTile;
     t.backward_tile = BackwardTile;

@@ -76,30 +76,6 @@ void PackRowsF32(const Slab& s, float* dst, int64_t ld, int64_t nr_pad) {
   }
 }
 
-bool CopyRowsF32(const float* src, int64_t lds, int64_t rows, int64_t cols, float* dst,
-                 int64_t ldd) {
-  for (int64_t r = 0; r < rows; ++r) {
-    const char* row = reinterpret_cast<const char*>(src + r * lds);
-    for (int64_t o = 0; o < cols * static_cast<int64_t>(sizeof(float)); o += 64) {
-      __builtin_prefetch(row + o);
-    }
-  }
-  // |bits| >= the infinity pattern: exponent all ones. Branch-free, so the
-  // copy and the check vectorise together.
-  uint32_t bad = 0;
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* s = src + r * lds;
-    float* d = dst + r * ldd;
-    for (int64_t c = 0; c < cols; ++c) {
-      const uint32_t bits = std::bit_cast<uint32_t>(s[c]);
-      bad |= static_cast<uint32_t>((bits & 0x7FFFFFFFu) >= 0x7F800000u);
-      d[c] = s[c];
-    }
-    std::fill(d + cols, d + ldd, 0.0f);
-  }
-  return bad != 0;
-}
-
 void PackTransposedF32(const Slab& s, float* dst, int64_t ld) {
   std::vector<float> buf(static_cast<size_t>(s.nc));
   float* row = buf.data();

@@ -25,13 +25,6 @@ struct Slab {
 void PackRowsF32(const Slab& s, float* dst, int64_t ld, int64_t nr_pad);
 // f32 transposed: dst[c * ld + r] for c < nc, r < ld; zero for r >= nr.
 void PackTransposedF32(const Slab& s, float* dst, int64_t ld);
-// f32 rows of unit stride: dst[r * ldd + c] = src[r * lds + c] for r < rows,
-// c < cols, zero for cols <= c < ldd. Asks for every source line first (rows
-// strided by other heads defeat the hardware prefetchers: each row's misses
-// would otherwise be waited for in turn). Returns whether a copied value is
-// a NaN or an infinity (checked on the way, at no extra pass over memory).
-bool CopyRowsF32(const float* src, int64_t lds, int64_t rows, int64_t cols, float* dst,
-                 int64_t ldd);
 // bf16 row-major (the A operand of GemmBf16): dst[r * ld + c], zero for
 // c >= nc up to ld (ld even), rows r < nr only.
 void PackRowsBf16(const Slab& s, uint16_t* dst, int64_t ld);
