@@ -385,6 +385,42 @@ TEST(FlashTest, TileCopiesAcrossShapesAndEvictions) {
   }
 }
 
+// The backward packs the q side (Q^T, dO^T, Q, dO) per thread when every kv
+// tile needs few q tiles (a window: 3 of 19 q blocks here), else once per
+// call (a full mask over 19 q blocks: more than the per-thread copies hold).
+// Both match the reference and give the same bits on 1, 2 and 3 threads (one-
+// and two-pass schedules).
+TEST(FlashTest, BackwardQTilesPerThreadOrPerCall) {
+  uint64_t seed = 290;
+  for (KernelPath path : SupportedKernelPaths()) {
+    for (const Mask& mask : {Mask::Causal() & Mask::Local(20, 0), Mask::Full()}) {
+      const Shape sh{1, 300, 300, 4, 2, 64, 48};
+      RunConfig s;
+      s.path = path;
+      s.mask = mask;
+      s.blocks = {16, 16};
+      CheckAgainstReference(sh, DType::kF32, s, /*segments=*/false, ++seed);
+      ProblemSpec spec;
+      spec.sq = sh.sq;
+      spec.skv = sh.skv;
+      spec.h = sh.h;
+      spec.hkv = sh.hkv;
+      spec.d = sh.d;
+      spec.dv = sh.dv;
+      Problem prob(seed, spec);
+      s.threads = 1;
+      const Result r1 = prob.Run(s, true);
+      for (int threads : {2, 3}) {
+        s.threads = threads;
+        const Result rn = prob.Run(s, true);
+        EXPECT_EQ(std::memcmp(r1.dq.data(), rn.dq.data(), r1.dq.size() * 4), 0) << threads;
+        EXPECT_EQ(std::memcmp(r1.dk.data(), rn.dk.data(), r1.dk.size() * 4), 0) << threads;
+        EXPECT_EQ(std::memcmp(r1.dv.data(), rn.dv.data(), r1.dv.size() * 4), 0) << threads;
+      }
+    }
+  }
+}
+
 TEST(FlashTest, SoftCapWithHugeLogits) {
   uint64_t seed = 200;
   for (KernelPath path : SupportedKernelPaths()) {

@@ -36,41 +36,98 @@ namespace {
 using mask::BlockKind;
 using micro::RoundUp;
 
-// The q-side operands of every (b, h, q block), packed once per call as f32:
-// Q^T [d][ld_q] and dO^T [dv][ld_q] (B operands of the scores), Q [bq][ld_d]
-// and dO [bq][ld_dv] (B operands of dK and dV).
-struct QSide {
-  int64_t qt_elems = 0, dot_elems = 0, q_elems = 0, do_elems = 0;
-  AlignedBuffer<float> qt, dot, q, dout;
+// The q-side operands of one (b, h, q block) as f32: Q^T [d][ld_q] and dO^T
+// [dv][ld_q] (B operands of the scores), Q [bq][ld_d] and dO [bq][ld_dv]
+// (B operands of dK and dV).
+struct QTile {
+  const float* qt;
+  const float* dot;
+  const float* q;
+  const float* dout;
+};
 
-  QSide(const FlashParams& p, const TensorView& dout_view, const Geometry& g,
-        const micro::MicroKernels& mk, ThreadPool& pool) {
+// Where the q-side tiles come from: packed once per call, or — when every kv
+// tile needs few q tiles and its successor needs mostly the same ones (a
+// sliding window: 5 of them, 4 shared) — packed per thread as the tasks use
+// them (TileCopies in the workspace). Packing everything up front takes as
+// much fresh, page-faulting memory as q and dO twice over (576 MiB at S =
+// 32768, H = 8, D = 128), which cost a window backward more than the copies.
+class QSide {
+ public:
+  static constexpr int64_t kBudgetBytes = 2 << 20;  // per-thread copies: L2-sized
+
+  QSide(const FlashParams& p, const TensorView& dout, const Geometry& g,
+        const micro::MicroKernels& mk, const TilePlan& cols, ThreadPool& pool)
+      : p_(p), dout_(dout), g_(g), mk_(mk), id_(NewCallId()) {
+    qt_elems_ = g.d * g.ld_q;
+    dot_elems_ = g.dv * g.ld_q;
+    q_elems_ = g.bq * g.ld_d;
+    do_elems_ = g.bq * g.ld_dv;
+    elems_ = qt_elems_ + dot_elems_ + q_elems_ + do_elems_;
+    // Per thread when the q tiles of any kv tile (over its group's heads),
+    // plus the one its successor adds, fit in the copies.
+    const int64_t slots =
+        std::clamp<int64_t>(kBudgetBytes / (elems_ * static_cast<int64_t>(sizeof(float))), 2, 16);
+    int64_t most = 0;
+    for (int64_t kh = 0; kh < g.hkv; ++kh) {
+      for (int64_t kvb = 0; kvb < g.nkvb; ++kvb) {
+        int64_t used = 0;
+        for (int64_t h = kh * g.group; h < (kh + 1) * g.group; ++h) {
+          for (const mask::BlockRun& run : cols.map().Runs(h, kvb)) used += run.end - run.begin;
+        }
+        most = std::max(most, used);
+      }
+    }
+    per_thread_ = most + 1 <= slots;
+    if (per_thread_) return;
     const int64_t tiles = g.b * g.h * g.nqb;
-    qt_elems = g.d * g.ld_q;
-    dot_elems = g.dv * g.ld_q;
-    q_elems = g.bq * g.ld_d;
-    do_elems = g.bq * g.ld_dv;
-    qt.Resize(static_cast<size_t>(tiles * qt_elems));
-    dot.Resize(static_cast<size_t>(tiles * dot_elems));
-    q.Resize(static_cast<size_t>(tiles * q_elems));
-    dout.Resize(static_cast<size_t>(tiles * do_elems));
+    all_.Resize(static_cast<size_t>(tiles * elems_));
     pool.ParallelFor(tiles, [&](int64_t t, int) {
       const int64_t qb = t % g.nqb, h = (t / g.nqb) % g.h, b = t / (g.nqb * g.h);
-      const int64_t m = g.QRows(qb);
-      const Slab qs{&p.q, b, h, qb * g.bq, m, g.d};
-      const Slab ds{&dout_view, b, h, qb * g.bq, m, g.dv};
-      PackTransposed(mk, p.q, b, h, qb * g.bq, m, qt.data() + t * qt_elems, g.ld_q);
-      PackTransposed(mk, dout_view, b, h, qb * g.bq, m, dot.data() + t * dot_elems, g.ld_q);
-      PackRowsF32(qs, q.data() + t * q_elems, g.ld_d, m);
-      PackRowsF32(ds, dout.data() + t * do_elems, g.ld_dv, m);
+      Pack(b, h, qb, all_.data() + t * elems_);
     });
   }
+
+  // The tile of (b, h, qb); from `copies` (this thread's) in per-thread
+  // mode, valid until the next Get with the same copies.
+  QTile Get(int64_t b, int64_t h, int64_t qb, TileCopies& copies) const {
+    const int64_t t = (b * g_.h + h) * g_.nqb + qb;
+    const float* base = all_.data() + t * elems_;
+    if (per_thread_) {
+      bool hit = false;
+      float* copy = copies.Find(id_, t, elems_, kBudgetBytes, &hit);
+      if (!hit) Pack(b, h, qb, copy);
+      base = copy;
+    }
+    return {base, base + qt_elems_, base + qt_elems_ + dot_elems_,
+            base + qt_elems_ + dot_elems_ + q_elems_};
+  }
+
+ private:
+  void Pack(int64_t b, int64_t h, int64_t qb, float* dst) const {
+    const int64_t m = g_.QRows(qb), r0 = qb * g_.bq;
+    PackTransposed(mk_, p_.q, b, h, r0, m, dst, g_.ld_q);
+    PackTransposed(mk_, dout_, b, h, r0, m, dst + qt_elems_, g_.ld_q);
+    PackRowsF32(Slab{&p_.q, b, h, r0, m, g_.d}, dst + qt_elems_ + dot_elems_, g_.ld_d, m);
+    PackRowsF32(Slab{&dout_, b, h, r0, m, g_.dv}, dst + qt_elems_ + dot_elems_ + q_elems_, g_.ld_dv,
+                m);
+  }
+
+  const FlashParams& p_;
+  const TensorView& dout_;
+  const Geometry& g_;
+  const micro::MicroKernels& mk_;
+  uint64_t id_;
+  int64_t qt_elems_ = 0, dot_elems_ = 0, q_elems_ = 0, do_elems_ = 0, elems_ = 0;
+  bool per_thread_ = false;
+  AlignedBuffer<float> all_;
 };
 
 // Per-thread scratch of one tile.
 struct Workspace {
   AlignedBuffer<float> pt, ds, deriv, tile, dk, dv, dq;
   TileMask mask;
+  TileCopies q_copies;  // QSide's per-thread mode
   bool masked = false;  // whether the tile in pt / ds has a mask (then `mask` holds it)
 
   static Workspace& ForThisThread(const Geometry& g, bool capped) {
@@ -101,12 +158,12 @@ struct Context {
 
 // P^T and dS^T of tile (b, h, qb, kvb) into ws.pt / ws.ds; returns its kind
 // (kEmpty: nothing computed).
-BlockKind TileProbs(const Context& c, BlockKind map_kind, int64_t b, int64_t h, int64_t qb,
-                    int64_t kvb, Workspace& ws) {
+BlockKind TileProbs(const Context& c, const QTile& qs, BlockKind map_kind, int64_t b, int64_t h,
+                    int64_t qb, int64_t kvb, Workspace& ws) {
   const Geometry& g = c.g;
   const BlockKind kind = c.plan.Refine(map_kind, b, qb, kvb);
   if (kind == BlockKind::kEmpty) return kind;
-  const int64_t kh = h / g.group, qt = (b * g.h + h) * g.nqb + qb;
+  const int64_t kh = h / g.group;
   const int64_t row = (b * g.h + h) * g.sq + qb * g.bq;
   micro::BackwardTileArgs a;
   micro::TileArgs& t = a.t;
@@ -115,7 +172,7 @@ BlockKind TileProbs(const Context& c, BlockKind map_kind, int64_t b, int64_t h, 
   t.d = g.d;
   t.k = c.kv.Keys(b, kh, kvb);
   t.ldk = c.kv.ldk();
-  t.qt = c.qs.qt.data() + qt * c.qs.qt_elems;
+  t.qt = qs.qt;
   t.ldq = g.ld_q;
   t.pt = ws.pt.data();
   t.ldp = g.ld_q;
@@ -131,7 +188,7 @@ BlockKind TileProbs(const Context& c, BlockKind map_kind, int64_t b, int64_t h, 
   a.dv = g.dv;
   a.v = c.kv.Values(b, kh, kvb);
   a.ldv = c.kv.ldv();
-  a.dot = c.qs.dot.data() + qt * c.qs.dot_elems;
+  a.dot = qs.dot;
   a.lse = c.lse + row;
   a.delta = c.delta + row;
   a.ds = ws.ds.data();
@@ -141,14 +198,12 @@ BlockKind TileProbs(const Context& c, BlockKind map_kind, int64_t b, int64_t h, 
 }
 
 // dV += P^T dO and dK += dS^T Q for the tile in ws (rows = its keys).
-void AccumulateKv(const Context& c, int64_t b, int64_t h, int64_t qb, int64_t kvb, float* dk,
-                  float* dv, const Workspace& ws) {
+void AccumulateKv(const Context& c, const QTile& qs, int64_t qb, int64_t kvb, float* dk, float* dv,
+                  const Workspace& ws) {
   const Geometry& g = c.g;
-  const int64_t m = g.QRows(qb), n = g.KvRows(kvb), qt = (b * g.h + h) * g.nqb + qb;
-  c.mk.gemm_f32(n, g.dvp, m, ws.pt.data(), g.ld_q, 1, c.qs.dout.data() + qt * c.qs.do_elems,
-                g.ld_dv, dv, g.ld_dv, nullptr, true);
-  c.mk.gemm_f32(n, g.dp, m, ws.ds.data(), g.ld_q, 1, c.qs.q.data() + qt * c.qs.q_elems, g.ld_d, dk,
-                g.ld_d, nullptr, true);
+  const int64_t m = g.QRows(qb), n = g.KvRows(kvb);
+  c.mk.gemm_f32(n, g.dvp, m, ws.pt.data(), g.ld_q, 1, qs.dout, g.ld_dv, dv, g.ld_dv, nullptr, true);
+  c.mk.gemm_f32(n, g.dp, m, ws.ds.data(), g.ld_q, 1, qs.q, g.ld_d, dk, g.ld_d, nullptr, true);
 }
 
 // dQ += dS K for the tile in ws (rows = its queries).
@@ -198,9 +253,10 @@ void KvBlock(const Context& c, const TilePlan& cols, int64_t b, int64_t kh, int6
   for (int64_t h = kh * g.group; h < (kh + 1) * g.group; ++h) {
     for (const mask::BlockRun& run : cols.map().Runs(h, kvb)) {
       for (int64_t qb = run.begin; qb < run.end; ++qb) {
-        const BlockKind kind = TileProbs(c, run.kind, b, h, qb, kvb, ws);
+        const QTile qs = c.qs.Get(b, h, qb, ws.q_copies);
+        const BlockKind kind = TileProbs(c, qs, run.kind, b, h, qb, kvb, ws);
         if (kind == BlockKind::kEmpty) continue;
-        AccumulateKv(c, b, h, qb, kvb, ws.dk.data(), ws.dv.data(), ws);
+        AccumulateKv(c, qs, qb, kvb, ws.dk.data(), ws.dv.data(), ws);
         on_tile(h, qb, kind);
         ++computed;
       }
@@ -224,8 +280,8 @@ void FlashBackward(const FlashParams& p, ThreadPool& pool, const TensorView& dou
   if (g.b == 0 || g.sq == 0 || g.h == 0 || g.skv == 0) return;
   const micro::MicroKernels& mk = micro::MicroKernelsFor(p.path);
   const bool capped = p.softcap > 0.0f;
-  const QSide qs(p, dout, g, mk, pool);
   const TilePlan cols(p, g, /*by_column=*/true);
+  const QSide qs(p, dout, g, mk, cols, pool);
   const KvRows kv(p, g, KvRows::KeyFormat::kF32Padded, cols.UsesPerKvTile(), pool);
   std::vector<WorkerStats> wstats(static_cast<size_t>(pool.size()));
 
@@ -286,9 +342,10 @@ void FlashBackward(const FlashParams& p, ThreadPool& pool, const TensorView& dou
       WorkerStats& st = wstats[static_cast<size_t>(worker)];
       float* dq = ws.dq.data();
       std::memset(dq, 0, static_cast<size_t>(g.QRows(qb) * g.ld_d) * sizeof(float));
+      const QTile qs = c.qs.Get(b, h, qb, ws.q_copies);
       for (const mask::BlockRun& run : rows.map().Runs(h, qb)) {
         for (int64_t kvb = run.begin; kvb < run.end; ++kvb) {
-          if (TileProbs(c, run.kind, b, h, qb, kvb, ws) == BlockKind::kEmpty) continue;
+          if (TileProbs(c, qs, run.kind, b, h, qb, kvb, ws) == BlockKind::kEmpty) continue;
           AccumulateQ(c, b, h, qb, kvb, dq, ws);
           st.flops += 2 * g.QRows(qb) * g.KvRows(kvb) * (2 * g.d + g.dv);
         }

@@ -137,8 +137,7 @@ double TilePlan::UsesPerKvTile() const {
 KvRows::KvRows(const FlashParams& p, const Geometry& g, KeyFormat keys, double uses,
                ThreadPool& pool, bool tile_cache)
     : g_(g) {
-  static std::atomic<uint64_t> next_id{1};
-  id_ = next_id.fetch_add(1, std::memory_order_relaxed);
+  id_ = NewCallId();
   const TensorView& k = p.k;
   const TensorView& v = p.v;
   for (int i = 0; i < 3; ++i) {
@@ -223,37 +222,51 @@ const float* KvRows::Values(int64_t b, int64_t kh, int64_t kvb) const {
   return v_packed_.data() + Tile(b, kh, kvb) * v_elems_;
 }
 
-KvTileCache::Tile KvTileCache::Get(const KvRows& kv, const micro::MicroKernels& mk, int64_t b,
-                                   int64_t kh, int64_t kvb, bool* non_finite) {
-  const Geometry& g = kv.g_;
-  const int64_t k_floats = g.bkv * g.ld_d, slot_floats = k_floats + g.bkv * g.ld_dv;
-  if (k_floats != k_floats_ || slot_floats != slot_floats_) {  // first use, or other shapes
-    const int64_t count = std::clamp<int64_t>(
-        kBudgetBytes / (slot_floats * static_cast<int64_t>(sizeof(float))), 2, 16);
-    k_floats_ = k_floats;
-    slot_floats_ = slot_floats;
+uint64_t NewCallId() {
+  static std::atomic<uint64_t> next{1};
+  return next.fetch_add(1, std::memory_order_relaxed);
+}
+
+float* TileCopies::Find(uint64_t call, int64_t tile, int64_t floats, int64_t budget_bytes,
+                        bool* hit) {
+  const int64_t count =
+      std::clamp<int64_t>(budget_bytes / (floats * static_cast<int64_t>(sizeof(float))), 2, 16);
+  if (floats != floats_ || count != count_) {  // first use, or another kind of tile
+    floats_ = floats;
+    count_ = count;
     slots_.assign(static_cast<size_t>(count), Slot{});
-    data_.Resize(static_cast<size_t>(count * slot_floats), /*zero=*/false);
+    data_.Resize(static_cast<size_t>(count * floats), /*zero=*/false);
   }
-  const int64_t tile = kv.Tile(b, kh, kvb);
   ++clock_;
   Slot* victim = slots_.data();
   for (Slot& s : slots_) {
-    if (s.call == kv.id_ && s.tile == tile) {
+    if (s.call == call && s.tile == tile) {
       s.last_use = clock_;
-      float* k = data_.data() + (&s - slots_.data()) * slot_floats_;
-      return {k, k + k_floats_};
+      *hit = true;
+      return data_.data() + (&s - slots_.data()) * floats_;
     }
     if (s.last_use < victim->last_use) victim = &s;
   }
-  float* k = data_.data() + (victim - slots_.data()) * slot_floats_;
-  const int64_t n = g.KvRows(kvb);
-  // tile_cache() implies f32 K and V read in place (unit inner stride).
-  bool bad = mk.copy_rows_f32(kv.Keys(b, kh, kvb), kv.ldk(), n, g.d, k, g.ld_d);
-  bad = mk.copy_rows_f32(kv.Values(b, kh, kvb), kv.ldv(), n, g.dv, k + k_floats_, g.ld_dv) || bad;
-  if (non_finite != nullptr && bad) *non_finite = true;
-  *victim = Slot{kv.id_, tile, clock_};
-  return {k, k + k_floats_};
+  *victim = Slot{call, tile, clock_};
+  *hit = false;
+  return data_.data() + (victim - slots_.data()) * floats_;
+}
+
+KvTileCache::Tile KvTileCache::Get(const KvRows& kv, const micro::MicroKernels& mk, int64_t b,
+                                   int64_t kh, int64_t kvb, bool* non_finite) {
+  const Geometry& g = kv.g_;
+  const int64_t k_floats = g.bkv * g.ld_d;
+  bool hit = false;
+  float* k =
+      copies_.Find(kv.id_, kv.Tile(b, kh, kvb), k_floats + g.bkv * g.ld_dv, kBudgetBytes, &hit);
+  if (!hit) {
+    const int64_t n = g.KvRows(kvb);
+    // tile_cache() implies f32 K and V read in place (unit inner stride).
+    bool bad = mk.copy_rows_f32(kv.Keys(b, kh, kvb), kv.ldk(), n, g.d, k, g.ld_d);
+    bad = mk.copy_rows_f32(kv.Values(b, kh, kvb), kv.ldv(), n, g.dv, k + k_floats, g.ld_dv) || bad;
+    if (non_finite != nullptr && bad) *non_finite = true;
+  }
+  return {k, k + k_floats};
 }
 
 void PackTransposed(const micro::MicroKernels& mk, const TensorView& t, int64_t b, int64_t head,

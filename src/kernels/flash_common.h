@@ -126,13 +126,38 @@ class KvRows {
   AlignedBuffer<uint16_t> k_bf16_;
 };
 
-// Per-thread copies of the kv tiles a worker used last, for calls with
-// KvRows::tile_cache(): K and V rows of a tile are packed (leading
-// dimensions ld_d and ld_dv) on the thread's first use and reused by its next
-// tasks — neighbouring q blocks of a sliding window share all but one tile —
-// least recently used out first. A copy is exact, so results do not depend
-// on hits and misses. About kBudgetBytes per thread, kept for the thread's
-// lifetime (about half of a 2 MiB L2: the copies are meant to stay there).
+// A unique id per call (never 0): tells a TileCopies cache which call a
+// copy belongs to, so copies never outlive their call's inputs.
+uint64_t NewCallId();
+
+// Per-thread copies of the tiles a worker used last, least recently used out
+// first: slots of `floats` floats, as many as fit in `budget_bytes` (2 to
+// 16), kept for the thread's lifetime so that they stay in its L2 and cost
+// no fresh memory. A cache serves one kind of tile (KvTileCache, the
+// backward's q side); a new slot size empties it.
+class TileCopies {
+ public:
+  // The slot of tile `tile` of call `call`; *hit says whether it already
+  // holds that tile's copy, else the caller must fill it now.
+  float* Find(uint64_t call, int64_t tile, int64_t floats, int64_t budget_bytes, bool* hit);
+
+ private:
+  struct Slot {
+    uint64_t call = 0;  // 0: empty
+    int64_t tile = -1;
+    uint64_t last_use = 0;
+  };
+  std::vector<Slot> slots_;
+  AlignedBuffer<float> data_;
+  int64_t floats_ = 0, count_ = 0;
+  uint64_t clock_ = 0;
+};
+
+// Per-thread copies of the kv tiles for calls with KvRows::tile_cache(): K
+// and V rows of a tile are copied (leading dimensions ld_d and ld_dv) on the
+// thread's first use and reused by its next tasks — neighbouring q blocks of
+// a sliding window share all but one tile. A copy is exact, so results do not
+// depend on hits and misses. About half of a 2 MiB L2.
 class KvTileCache {
  public:
   static constexpr int64_t kBudgetBytes = 1280 * 1024;
@@ -141,22 +166,14 @@ class KvTileCache {
     const float* v;  // V(j, c) = v[j * ld_dv + c]
   };
   // With non_finite, a copy made here sets *non_finite if the tile's K or V
-  // rows hold a NaN or an infinity (checked on the copy, which is in cache).
-  // Every tile a thread computes is copied by it at least once per call, so
-  // this checks each computed tile (FlashParams::non_finite).
+  // rows hold a NaN or an infinity (checked while copying). Every tile a
+  // thread computes is copied by it at least once per call, so this checks
+  // each computed tile (FlashParams::non_finite).
   Tile Get(const KvRows& kv, const micro::MicroKernels& mk, int64_t b, int64_t kh, int64_t kvb,
            bool* non_finite = nullptr);
 
  private:
-  struct Slot {
-    uint64_t call = 0;  // KvRows::id_ (0: empty)
-    int64_t tile = -1;
-    uint64_t last_use = 0;
-  };
-  std::vector<Slot> slots_;
-  AlignedBuffer<float> data_;
-  int64_t k_floats_ = 0, slot_floats_ = 0;
-  uint64_t clock_ = 0;
+  TileCopies copies_;
 };
 
 // Q^T (or dO^T) of rows [r0, r0 + rows) of head `head` of batch b of a
