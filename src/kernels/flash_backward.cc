@@ -127,8 +127,9 @@ class QSide {
 struct Workspace {
   AlignedBuffer<float> pt, ds, deriv, tile, dk, dv, dq;
   TileMask mask;
-  TileCopies q_copies;  // QSide's per-thread mode
-  bool masked = false;  // whether the tile in pt / ds has a mask (then `mask` holds it)
+  TileCopies q_copies;   // QSide's per-thread mode
+  KvTileCache kv_cache;  // for KvRows::tile_cache()
+  bool masked = false;   // whether the tile in pt / ds has a mask (then `mask` holds it)
 
   static Workspace& ForThisThread(const Geometry& g, bool capped) {
     thread_local Workspace ws;
@@ -156,22 +157,37 @@ struct Context {
   const float* delta;
 };
 
+// K and V rows of kv tile (b, kh, kvb): the call's (KvRows), or this
+// thread's copies (valid until its next KvOf).
+struct KvTile {
+  const float* k;
+  int64_t ldk;
+  const float* v;
+  int64_t ldv;
+};
+KvTile KvOf(const Context& c, int64_t b, int64_t kh, int64_t kvb, Workspace& ws) {
+  if (c.kv.tile_cache()) {
+    const KvTileCache::Tile t = ws.kv_cache.Get(c.kv, c.mk, b, kh, kvb);
+    return {t.k, c.g.ld_d, t.v, c.g.ld_dv};
+  }
+  return {c.kv.Keys(b, kh, kvb), c.kv.ldk(), c.kv.Values(b, kh, kvb), c.kv.ldv()};
+}
+
 // P^T and dS^T of tile (b, h, qb, kvb) into ws.pt / ws.ds; returns its kind
 // (kEmpty: nothing computed).
-BlockKind TileProbs(const Context& c, const QTile& qs, BlockKind map_kind, int64_t b, int64_t h,
-                    int64_t qb, int64_t kvb, Workspace& ws) {
+BlockKind TileProbs(const Context& c, const QTile& qs, const KvTile& kvt, BlockKind map_kind,
+                    int64_t b, int64_t h, int64_t qb, int64_t kvb, Workspace& ws) {
   const Geometry& g = c.g;
   const BlockKind kind = c.plan.Refine(map_kind, b, qb, kvb);
   if (kind == BlockKind::kEmpty) return kind;
-  const int64_t kh = h / g.group;
   const int64_t row = (b * g.h + h) * g.sq + qb * g.bq;
   micro::BackwardTileArgs a;
   micro::TileArgs& t = a.t;
   t.keys = g.KvRows(kvb);
   t.queries = g.QRows(qb);
   t.d = g.d;
-  t.k = c.kv.Keys(b, kh, kvb);
-  t.ldk = c.kv.ldk();
+  t.k = kvt.k;
+  t.ldk = kvt.ldk;
   t.qt = qs.qt;
   t.ldq = g.ld_q;
   t.pt = ws.pt.data();
@@ -186,8 +202,8 @@ BlockKind TileProbs(const Context& c, const QTile& qs, BlockKind map_kind, int64
   t.softcap = c.p.softcap;
   t.scratch = ws.tile.data();
   a.dv = g.dv;
-  a.v = c.kv.Values(b, kh, kvb);
-  a.ldv = c.kv.ldv();
+  a.v = kvt.v;
+  a.ldv = kvt.ldv;
   a.dot = qs.dot;
   a.lse = c.lse + row;
   a.delta = c.delta + row;
@@ -207,11 +223,11 @@ void AccumulateKv(const Context& c, const QTile& qs, int64_t qb, int64_t kvb, fl
 }
 
 // dQ += dS K for the tile in ws (rows = its queries).
-void AccumulateQ(const Context& c, int64_t b, int64_t h, int64_t qb, int64_t kvb, float* dq,
+void AccumulateQ(const Context& c, const KvTile& kvt, int64_t qb, int64_t kvb, float* dq,
                  const Workspace& ws) {
   const Geometry& g = c.g;
-  c.mk.gemm_f32(g.QRows(qb), g.dp, g.KvRows(kvb), ws.ds.data(), 1, g.ld_q,
-                c.kv.Keys(b, h / g.group, kvb), c.kv.ldk(), dq, g.ld_d, nullptr, true);
+  c.mk.gemm_f32(g.QRows(qb), g.dp, g.KvRows(kvb), ws.ds.data(), 1, g.ld_q, kvt.k, kvt.ldk, dq,
+                g.ld_d, nullptr, true);
 }
 
 void CountTile(BlockKind kind, const Geometry& g, int64_t m, int64_t n, WorkerStats& st) {
@@ -240,7 +256,7 @@ void AddQTile(const Geometry& g, int64_t b, int64_t h, int64_t qb, const float* 
 }
 
 // dK/dV of (b, kh, kvb) over every head of the group and every q block of the
-// column map, in order; `on_tile(h, qb)` runs after each computed tile (the
+// column map, in order; `on_tile(h, qb, kind, kv tile)` runs after each computed tile (the
 // one-pass schedule adds its dQ there).
 template <class OnTile>
 void KvBlock(const Context& c, const TilePlan& cols, int64_t b, int64_t kh, int64_t kvb,
@@ -249,15 +265,16 @@ void KvBlock(const Context& c, const TilePlan& cols, int64_t b, int64_t kh, int6
   const int64_t n = g.KvRows(kvb);
   std::memset(ws.dk.data(), 0, static_cast<size_t>(n * g.ld_d) * sizeof(float));
   std::memset(ws.dv.data(), 0, static_cast<size_t>(n * g.ld_dv) * sizeof(float));
+  const KvTile kvt = KvOf(c, b, kh, kvb, ws);
   int64_t computed = 0;
   for (int64_t h = kh * g.group; h < (kh + 1) * g.group; ++h) {
     for (const mask::BlockRun& run : cols.map().Runs(h, kvb)) {
       for (int64_t qb = run.begin; qb < run.end; ++qb) {
         const QTile qs = c.qs.Get(b, h, qb, ws.q_copies);
-        const BlockKind kind = TileProbs(c, qs, run.kind, b, h, qb, kvb, ws);
+        const BlockKind kind = TileProbs(c, qs, kvt, run.kind, b, h, qb, kvb, ws);
         if (kind == BlockKind::kEmpty) continue;
         AccumulateKv(c, qs, qb, kvb, ws.dk.data(), ws.dv.data(), ws);
-        on_tile(h, qb, kind);
+        on_tile(h, qb, kind, kvt);
         ++computed;
       }
     }
@@ -282,7 +299,8 @@ void FlashBackward(const FlashParams& p, ThreadPool& pool, const TensorView& dou
   const bool capped = p.softcap > 0.0f;
   const TilePlan cols(p, g, /*by_column=*/true);
   const QSide qs(p, dout, g, mk, cols, pool);
-  const KvRows kv(p, g, KvRows::KeyFormat::kF32Padded, cols.UsesPerKvTile(), pool);
+  const KvRows kv(p, g, KvRows::KeyFormat::kF32Padded, cols.UsesPerKvTile(), pool,
+                  /*tile_cache=*/true);
   std::vector<WorkerStats> wstats(static_cast<size_t>(pool.size()));
 
   if (BackwardInOnePass(g, pool.size())) {
@@ -305,8 +323,8 @@ void FlashBackward(const FlashParams& p, ThreadPool& pool, const TensorView& dou
       };
       for (int64_t kvb = 0; kvb < g.nkvb; ++kvb) {
         KvBlock(c, cols, b, kh, kvb, ws, st, dk_acc, dv_acc,
-                [&](int64_t h, int64_t qb, BlockKind kind) {
-                  AccumulateQ(c, b, h, qb, kvb, dq_tile(h, qb), ws);
+                [&](int64_t h, int64_t qb, BlockKind kind, const KvTile& kvt) {
+                  AccumulateQ(c, kvt, qb, kvb, dq_tile(h, qb), ws);
                   CountTile(kind, g, g.QRows(qb), g.KvRows(kvb), st);
                 });
       }
@@ -326,7 +344,7 @@ void FlashBackward(const FlashParams& p, ThreadPool& pool, const TensorView& dou
       Workspace& ws = Workspace::ForThisThread(g, capped);
       WorkerStats& st = wstats[static_cast<size_t>(worker)];
       KvBlock(c, cols, b, kh, kvb, ws, st, dk_acc, dv_acc,
-              [&](int64_t, int64_t qb, BlockKind kind) {
+              [&](int64_t, int64_t qb, BlockKind kind, const KvTile&) {
                 CountTile(kind, g, g.QRows(qb), g.KvRows(kvb), st);
                 st.flops -= 2 * g.QRows(qb) * g.KvRows(kvb) * g.d;  // no dQ product here
               });
@@ -345,8 +363,9 @@ void FlashBackward(const FlashParams& p, ThreadPool& pool, const TensorView& dou
       const QTile qs = c.qs.Get(b, h, qb, ws.q_copies);
       for (const mask::BlockRun& run : rows.map().Runs(h, qb)) {
         for (int64_t kvb = run.begin; kvb < run.end; ++kvb) {
-          if (TileProbs(c, qs, run.kind, b, h, qb, kvb, ws) == BlockKind::kEmpty) continue;
-          AccumulateQ(c, b, h, qb, kvb, dq, ws);
+          const KvTile kvt = KvOf(c, b, h / g.group, kvb, ws);
+          if (TileProbs(c, qs, kvt, run.kind, b, h, qb, kvb, ws) == BlockKind::kEmpty) continue;
+          AccumulateQ(c, kvt, qb, kvb, dq, ws);
           st.flops += 2 * g.QRows(qb) * g.KvRows(kvb) * (2 * g.d + g.dv);
         }
       }

@@ -144,12 +144,28 @@ KvRows::KvRows(const FlashParams& p, const Geometry& g, KeyFormat keys, double u
     k_stride_[i] = k.stride[i < 2 ? i : 2];
     v_stride_[i] = v.stride[i < 2 ? i : 2];
   }
+  const bool k_f32 = k.dtype == DType::kF32 && k.stride[3] == 1;
+  const bool k_rows_dense = k.stride[1] == g.d || g.skv == 1;
+  const bool v_f32 = v.dtype == DType::kF32 && v.stride[3] == 1;
+  const bool v_whole_vectors = v_f32 && g.dv % micro::kVec == 0;
+  const bool v_like_packed = v.stride[1] == g.dv && (g.dv <= 64 || g.dv % 128 != 0);
+  // Copies per thread (see the class comment) for f32 tiles used too rarely
+  // for a copy per call, unless both can be read in place as they are.
+  const bool in_place_as_is =
+      keys == KeyFormat::kF32 && k_rows_dense && v_whole_vectors && v_like_packed;
+  if (tile_cache && keys != KeyFormat::kBf16 && k_f32 && v_f32 && uses < kPackMinUses &&
+      !in_place_as_is) {
+    tile_cache_ = true;  // K and V below are then the copies' sources
+    k_in_place_ = static_cast<const float*>(k.data);
+    ldk_ = k.stride[1];
+    v_in_place_ = static_cast<const float*>(v.data);
+    ldv_ = v.stride[1];
+    return;
+  }
   // K (see the class comment): rows back to back are read in place; rows
   // of other heads in between (a [B, S, H, D] tensor with H > 1) put every
   // row of a tile on the same few L1 sets, which costs the score product
   // ~15 % at D = 128, H = 8 — packing pays once tiles are used often.
-  const bool k_f32 = k.dtype == DType::kF32 && k.stride[3] == 1;
-  const bool k_rows_dense = k.stride[1] == g.d || g.skv == 1;
   if (keys == KeyFormat::kF32 && k_f32 && (k_rows_dense || uses < kPackMinUses)) {
     k_in_place_ = static_cast<const float*>(k.data);
     ldk_ = k.stride[1];
@@ -157,16 +173,10 @@ KvRows::KvRows(const FlashParams& p, const Geometry& g, KeyFormat keys, double u
   // V (see the class comment): rows back to back with a panel spanning whole
   // rows (Dv <= 64) read like a packed tile; otherwise only when packing
   // would not pay.
-  const bool v_f32 = v.dtype == DType::kF32 && v.stride[3] == 1 && g.dv % micro::kVec == 0;
-  const bool v_like_packed = v.stride[1] == g.dv && (g.dv <= 64 || g.dv % 128 != 0);
-  if (v_f32 && (v_like_packed || uses < kPackMinUses)) {
+  if (v_whole_vectors && (v_like_packed || uses < kPackMinUses)) {
     v_in_place_ = static_cast<const float*>(v.data);
     ldv_ = v.stride[1];
   }
-  // Both in place, at least one of them only because a copy per call would
-  // not pay: copies per thread (KvTileCache) avoid the aliasing instead.
-  tile_cache_ = tile_cache && keys == KeyFormat::kF32 && k_in_place_ != nullptr &&
-                v_in_place_ != nullptr && !(k_rows_dense && v_like_packed);
   const int64_t tiles = g.b * g.hkv * g.nkvb;
   const int64_t d2 = micro::RoundUp(g.d, 2);
   const bool pack_k = k_in_place_ == nullptr, pack_v = v_in_place_ == nullptr;

@@ -91,10 +91,11 @@ class TileMask {
 //     least kPackMinUses times on average (`uses`: computed tiles per kv tile
 //     of a batch, over all query heads of its group) — dense masks and long
 //     rows, not sliding windows — or when it cannot be read in place.
-// With `tile_cache` (the forward), tiles that would be read in place at such
-// strides only because they are used too rarely for a copy per call are
-// instead copied per thread as they are used (KvTileCache): tile_cache()
-// says so, and the loop must then read K and V from the cache.
+// With `tile_cache`, f32 tiles used too rarely for a copy per call are
+// instead copied per thread as they are used (KvTileCache) unless they can
+// be read in place as they are (rows back to back, nothing to pad):
+// tile_cache() says so, and the loops must then read K and V only through
+// a KvTileCache (Keys and Values give the copies' sources).
 class KvRows {
  public:
   enum class KeyFormat { kF32, kF32Padded, kBf16 };  // kF32Padded: rows of ld_d, zero padded
