@@ -69,7 +69,7 @@ mask::BlockMap BuildMap(const FlashParams& p, const Geometry& g, bool by_column)
 }  // namespace
 
 TilePlan::TilePlan(const FlashParams& p, const Geometry& g, bool by_column)
-    : g_(g), map_(BuildMap(p, g, by_column)) {
+    : g_(g), id_(NewCallId()), map_(BuildMap(p, g, by_column)) {
   has_segments_ = p.q_segments.defined() && p.kv_segments.defined();
   if (!has_segments_) return;
   q_seg_ = CopySegments(p.q_segments);
@@ -112,19 +112,41 @@ void TileMask::Reserve(const Geometry& g) {
   g_ = &g;
   ldm_ = g.ld_q / micro::kVec;
   Grow(bytes_, g.bq * g.ld_kv);
-  Grow(bits_, g.bkv * ldm_);
-  Grow(key_lo_, g.bq);
-  Grow(key_hi_, g.bq);
-  Grow(query_lo_, g.bkv);
-  Grow(query_hi_, g.bkv);
+  for (Entry& e : entries_) {
+    Grow(e.bits, g.bkv * ldm_);
+    Grow(e.key_lo, g.bq);
+    Grow(e.key_hi, g.bq);
+    Grow(e.query_lo, g.bkv);
+    Grow(e.query_hi, g.bkv);
+  }
 }
 
 void TileMask::Fill(const TilePlan& plan, const micro::MicroKernels& mk, mask::BlockKind map_kind,
                     int64_t head, int64_t b, int64_t qb, int64_t kvb) {
   const Geometry& g = *g_;
+  // Segments make a tile's mask depend on the batch's documents: no key.
+  mask::TileShapeKey key;
+  const bool keyed = !plan.has_segments() && plan.map().ShiftKey(head, qb, kvb, &key);
+  ++clock_;
+  Entry* victim = &entries_[0];
+  for (Entry& e : entries_) {
+    if (keyed && e.plan == plan.id() && e.key == key) {
+      e.last_use = clock_;
+      cur_ = &e;
+      ++reuses_;
+      return;
+    }
+    if (e.last_use < victim->last_use) victim = &e;
+  }
+  cur_ = victim;
+  victim->plan = keyed ? plan.id() : 0;
+  victim->key = key;
+  victim->last_use = clock_;
+  ++builds_;
   plan.FillMask(map_kind, head, b, qb, kvb, bytes_.data(), g.ld_kv);
-  mk.mask_bits(g.QRows(qb), g.KvRows(kvb), bytes_.data(), g.ld_kv, bits_.data(), ldm_,
-               key_lo_.data(), key_hi_.data(), query_lo_.data(), query_hi_.data());
+  mk.mask_bits(g.QRows(qb), g.KvRows(kvb), bytes_.data(), g.ld_kv, victim->bits.data(), ldm_,
+               victim->key_lo.data(), victim->key_hi.data(), victim->query_lo.data(),
+               victim->query_hi.data());
 }
 
 double TilePlan::UsesPerKvTile() const {

@@ -31,12 +31,17 @@ struct Geometry {
   int64_t KvRows(int64_t kvb) const;  // rows of kv block kvb
 };
 
+// A unique id per call (never 0): tells per-thread caches (TileCopies,
+// TileMask) which call an entry belongs to, so entries never outlive it.
+uint64_t NewCallId();
+
 // The block map of a call plus per-batch segment ids and block ranges.
 class TilePlan {
  public:
   TilePlan(const FlashParams& p, const Geometry& g, bool by_column);
 
   const mask::BlockMap& map() const { return map_; }
+  uint64_t id() const { return id_; }  // unique per plan (NewCallId)
   // Computed tiles per kv tile, averaged over kv tiles (of one batch element,
   // over all query heads of a kv head's group; segments not counted).
   double UsesPerKvTile() const;
@@ -50,6 +55,7 @@ class TilePlan {
 
  private:
   const Geometry& g_;
+  uint64_t id_ = 0;
   mask::BlockMap map_;
   bool has_segments_ = false;
   std::vector<int32_t> q_seg_, kv_seg_;                  // [B, Sq], [B, Skv] contiguous copies
@@ -58,24 +64,40 @@ class TilePlan {
 
 // The element mask of a partial tile in the micro-kernels' forms (micro.h):
 // transposed bits for the fused score kernels and, for the products, the
-// keys each query may see and the queries each key may be seen by.
+// keys each query may see and the queries each key may be seen by. The last
+// few masks are kept (per workspace, so per thread) under their
+// mask::TileShapeKey: the partial tiles of a sliding window or a causal
+// diagonal are all alike, and are then built once per thread and call.
 class TileMask {
  public:
   // Sizes the buffers for tiles of `g` (no allocation once large enough).
   void Reserve(const Geometry& g);
   void Fill(const TilePlan& plan, const micro::MicroKernels& mk, mask::BlockKind map_kind,
             int64_t head, int64_t b, int64_t qb, int64_t kvb);
-  const uint16_t* bits() const { return bits_.data(); }
+  const uint16_t* bits() const { return cur_->bits.data(); }
   int64_t ldm() const { return ldm_; }
-  micro::KRanges keys_of_query() const { return {key_lo_.data(), key_hi_.data()}; }
-  micro::KRanges queries_of_key() const { return {query_lo_.data(), query_hi_.data()}; }
+  micro::KRanges keys_of_query() const { return {cur_->key_lo.data(), cur_->key_hi.data()}; }
+  micro::KRanges queries_of_key() const { return {cur_->query_lo.data(), cur_->query_hi.data()}; }
+  // Masks built so far and masks reused from an earlier tile (for tests).
+  int64_t builds() const { return builds_; }
+  int64_t reuses() const { return reuses_; }
 
  private:
+  static constexpr int kKept = 16;  // partial tiles of a q block row: window edge + diagonal
+  struct Entry {
+    uint64_t plan = 0;  // TilePlan::id() of the key (0: no key)
+    mask::TileShapeKey key;
+    uint64_t last_use = 0;
+    AlignedBuffer<uint16_t> bits;
+    AlignedBuffer<int32_t> key_lo, key_hi, query_lo, query_hi;
+  };
   const Geometry* g_ = nullptr;
   int64_t ldm_ = 0;
   AlignedBuffer<uint8_t> bytes_;
-  AlignedBuffer<uint16_t> bits_;
-  AlignedBuffer<int32_t> key_lo_, key_hi_, query_lo_, query_hi_;
+  Entry entries_[kKept];
+  Entry* cur_ = &entries_[0];
+  uint64_t clock_ = 0;
+  int64_t builds_ = 0, reuses_ = 0;
 };
 
 // Where the flash loops read the K and V rows of kv tile (b, kv head, kvb):
@@ -126,10 +148,6 @@ class KvRows {
   AlignedBuffer<float> k_packed_, v_packed_;
   AlignedBuffer<uint16_t> k_bf16_;
 };
-
-// A unique id per call (never 0): tells a TileCopies cache which call a
-// copy belongs to, so copies never outlive their call's inputs.
-uint64_t NewCallId();
 
 // Per-thread copies of the tiles a worker used last, least recently used out
 // first: slots of `floats` floats, as many as fit in `budget_bytes` (2 to

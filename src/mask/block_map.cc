@@ -45,7 +45,8 @@ struct Program {
   std::vector<const Node*> leaves;
   std::vector<int32_t> code;  // >= 0: push leaf; kOpAnd / kOpOr: combine two
   bool has_dense = false;
-  bool has_shaped = false;  // Causal, Local or Chunked leaves
+  bool has_shaped = false;      // Causal, Local or Chunked leaves
+  bool shift_invariant = true;  // only Full, Causal and Local leaves: a function of kv - q
 
   void Compile(const Node& n, int64_t head) {
     switch (n.kind) {
@@ -61,6 +62,8 @@ struct Program {
       default:
         has_dense |= n.kind == NodeKind::kDense;
         has_shaped |= n.kind != NodeKind::kDense && n.kind != NodeKind::kFull;
+        shift_invariant &=
+            n.kind == NodeKind::kFull || n.kind == NodeKind::kCausal || n.kind == NodeKind::kLocal;
         code.push_back(static_cast<int32_t>(leaves.size()));
         leaves.push_back(&n);
         return;
@@ -136,6 +139,7 @@ class BlockMap::Builder {
       sig1_.assign(words_, 0);
       stack_.clear();
       stack_.reserve(prog_.code.size());
+      m_.shift_invariant_.push_back(prog_.shift_invariant ? 1 : 0);
       const bool dedup = prog_.has_dense && !prog_.has_shaped;
       if (dedup && m_.dense_tile_ids_.empty()) {
         m_.dense_tile_ids_.assign(static_cast<size_t>(m_.planes_ * m_.nqb_ * m_.nkvb_), -1);
@@ -395,6 +399,23 @@ std::span<const int64_t> BlockMap::KvPositions(int64_t kvb, int64_t* buf) const 
   return {buf, static_cast<size_t>(n)};
 }
 
+bool BlockMap::ShiftKey(int64_t head, int64_t qb, int64_t kvb, TileShapeKey* key) const {
+  const int64_t plane = PlaneOf(head);
+  const PositionBlock& q = q_blocks_[static_cast<size_t>(qb)];
+  const PositionBlock& kv = kv_blocks_[static_cast<size_t>(kvb)];
+  if (shift_invariant_[static_cast<size_t>(plane)] == 0 || q.explicit_at >= 0 ||
+      kv.explicit_at >= 0) {
+    return false;
+  }
+  *key = TileShapeKey{plane,
+                      q.first - kv.first,
+                      q.step,
+                      kv.step,
+                      std::min(bq_, sq_ - qb * bq_),
+                      std::min(bkv_, skv_ - kvb * bkv_)};
+  return true;
+}
+
 void BlockMap::FillPartial(int64_t head, int64_t qb, int64_t kvb, uint8_t* out, int64_t ld) const {
   if (!dense_tile_ids_.empty()) {
     const int32_t id =
@@ -427,7 +448,8 @@ size_t BlockMap::memory_bytes() const {
          kv_blocks_.capacity() * sizeof(PositionBlock) +
          explicit_pos_.capacity() * sizeof(int64_t) + runs_.capacity() * sizeof(BlockRun) +
          row_offsets_.capacity() * sizeof(int64_t) + dense_tile_ids_.capacity() * sizeof(int32_t) +
-         dense_tiles_.capacity() * sizeof(UniqueTile) + dense_bytes_.capacity();
+         dense_tiles_.capacity() * sizeof(UniqueTile) + dense_bytes_.capacity() +
+         shift_invariant_.capacity();
 }
 
 }  // namespace ringsplash::mask

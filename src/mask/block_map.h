@@ -65,6 +65,13 @@ inline BlockKind Combine(BlockKind a, BlockKind b) {
 void FillTileMask(const Mask& mask, int64_t head, std::span<const int64_t> q_pos,
                   std::span<const int64_t> kv_pos, uint8_t* out, int64_t ld);
 
+// Identifies the element mask of a tile up to translation (BlockMap::ShiftKey):
+// tiles of one map with equal keys have equal masks.
+struct TileShapeKey {
+  int64_t plane = 0, diff = 0, q_step = 0, kv_step = 0, rows = 0, cols = 0;
+  bool operator==(const TileShapeKey&) const = default;
+};
+
 class BlockMap {
  public:
   // Row-major map (rows = q blocks, runs over kv blocks) when by_column is
@@ -97,6 +104,13 @@ class BlockMap {
   // tile's positions. Correct for any tile; meant for partial ones. Thread-safe
   // (per-thread scratch), no allocation after a thread's first call.
   void FillPartial(int64_t head, int64_t qb, int64_t kvb, uint8_t* out, int64_t ld) const;
+  // When the mask of tile (qb, kvb)'s plane depends only on kv - q (Full,
+  // Causal and Local leaves under & and |) and both blocks' positions are
+  // arithmetic progressions, the tile's mask is a function of the first
+  // positions' difference, the steps and the sizes: *key gets those and the
+  // answer is true. Tiles with equal keys then have equal masks, so a caller
+  // may reuse one's (a sliding window's diagonal tiles are all alike).
+  bool ShiftKey(int64_t head, int64_t qb, int64_t kvb, TileShapeKey* key) const;
   // Tiles of each kind over all planes (for tests and accounting).
   int64_t Count(BlockKind kind) const;
   // Unique partial tile patterns stored for Dense masks (0 for structured).
@@ -141,6 +155,7 @@ class BlockMap {
   // unique id per tile [planes, nqb, nkvb], -1 where not stored; empty when
   // no plane de-duplicates.
   std::vector<int32_t> dense_tile_ids_;
+  std::vector<uint8_t> shift_invariant_;  // per plane: only Full, Causal, Local leaves
   std::vector<UniqueTile> dense_tiles_;
   std::vector<uint8_t> dense_bytes_;
 };
