@@ -388,9 +388,10 @@ TEST(FlashTest, TileCopiesAcrossShapesAndEvictions) {
 // The backward packs the q side (Q^T, dO^T, Q, dO) per thread when every kv
 // tile needs few q tiles (a window: 3 of 19 q blocks here), else once per
 // call (a full mask over 19 q blocks: more than the per-thread copies hold).
-// Both match the reference and give the same bits on 1, 2 and 3 threads (one-
-// and two-pass schedules).
-TEST(FlashTest, BackwardQTilesPerThreadOrPerCall) {
+// The forward computes q blocks in groups sharing each kv tile (4 per group
+// on one thread here, 2 on two, 1 on three). All match the reference and give
+// the same bits on 1, 2 and 3 threads (one- and two-pass backward schedules).
+TEST(FlashTest, QBlockGroupsAndQTileCopiesOnAnyThreadCount) {
   uint64_t seed = 290;
   for (KernelPath path : SupportedKernelPaths()) {
     for (const Mask& mask : {Mask::Causal() & Mask::Local(20, 0), Mask::Full()}) {
@@ -413,6 +414,8 @@ TEST(FlashTest, BackwardQTilesPerThreadOrPerCall) {
       for (int threads : {2, 3}) {
         s.threads = threads;
         const Result rn = prob.Run(s, true);
+        EXPECT_EQ(std::memcmp(r1.out.data(), rn.out.data(), r1.out.size() * 4), 0) << threads;
+        EXPECT_EQ(std::memcmp(r1.lse.data(), rn.lse.data(), r1.lse.size() * 4), 0) << threads;
         EXPECT_EQ(std::memcmp(r1.dq.data(), rn.dq.data(), r1.dq.size() * 4), 0) << threads;
         EXPECT_EQ(std::memcmp(r1.dk.data(), rn.dk.data(), r1.dk.size() * 4), 0) << threads;
         EXPECT_EQ(std::memcmp(r1.dv.data(), rn.dv.data(), r1.dv.size() * 4), 0) << threads;

@@ -25,6 +25,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <span>
 #include <vector>
 
 #include "src/kernels/combine.h"
@@ -51,23 +52,39 @@ bool UseBf16Scores(const FlashParams& p, const micro::MicroKernels& mk) {
   return p.q.dtype == DType::kBF16 && mk.gemm_bf16 != nullptr;
 }
 
+// q blocks computed together: each kv tile is fetched (from memory, or
+// copied) once for up to kGroup q blocks instead of once per block, so it is
+// read from L1/L2 by the other blocks of the group.
+constexpr int kGroup = 4;
+
+// Per-thread state of one q block of a group.
+struct BlockState {
+  AlignedBuffer<float> qt, acc, row_max, row_sum, alpha;
+  AlignedBuffer<uint16_t> qt_bf16;
+};
+
 // Per-thread scratch of the task loop.
 struct Workspace {
-  AlignedBuffer<float> qt, pt, acc, row_max, row_sum, alpha, tile;
-  AlignedBuffer<uint16_t> qt_bf16;
+  AlignedBuffer<float> pt, tile;
+  BlockState blocks[kGroup];
   TileMask mask;
   KvTileCache kv_cache;
 
   static Workspace& ForThisThread(const Geometry& g, bool bf16) {
     thread_local Workspace ws;
     const int64_t d2 = RoundUp(g.d, 2);
-    Grow(ws.qt, g.d * g.ld_q);
-    if (bf16) Grow(ws.qt_bf16, d2 * g.ld_q);
+    for (BlockState& s : ws.blocks) {
+      if (bf16) {
+        Grow(s.qt_bf16, d2 * g.ld_q);
+      } else {
+        Grow(s.qt, g.d * g.ld_q);
+      }
+      Grow(s.acc, g.bq * g.ld_dv);
+      Grow(s.row_max, g.ld_q);
+      Grow(s.row_sum, g.ld_q);
+      Grow(s.alpha, g.ld_q);
+    }
     Grow(ws.pt, g.bkv * g.ld_q);
-    Grow(ws.acc, g.bq * g.ld_dv);
-    Grow(ws.row_max, g.ld_q);
-    Grow(ws.row_sum, g.ld_q);
-    Grow(ws.alpha, g.ld_q);
     Grow(ws.tile, 3 * g.ld_q);
     ws.mask.Reserve(g);
     return ws;
@@ -93,7 +110,7 @@ void ScaleRow(float* dst, const float* src, int64_t n, float s, bool stream) {
 // out = acc / l and lse = m + log(l) for the task's rows (0 and -inf for a
 // row without keys); with `merge`, that partial result is merged into the
 // rows' existing (out, lse) by MergePartial, one row at a time.
-void FinishRows(const Geometry& g, int64_t b, int64_t h, int64_t qb, int64_t m, Workspace& ws,
+void FinishRows(const Geometry& g, int64_t b, int64_t h, int64_t qb, int64_t m, BlockState& ws,
                 bool merge, bool stream, float* out, float* lse) {
   for (int64_t i = 0; i < m; ++i) {
     const int64_t row = qb * g.bq + i;
@@ -144,107 +161,146 @@ void Forward(const FlashParams& p, ThreadPool& pool, bool merge, float* out, flo
   const int64_t d2 = RoundUp(g.d, 2);
   // Outputs larger than the caches are written past them (ScaleRow).
   const bool stream = !merge && g.b * g.sq * g.h * g.dv >= kStreamMinFloats;
-  // One q block qb of (batch, head) bh = b * H + h.
-  auto Task = [&](int64_t bh, int64_t qb, int worker) {
+  // q blocks [qb0, qb1) (at most kGroup) of (batch, head) bh = b * H + h,
+  // kv tiles in ascending order, each fetched once for the blocks that use
+  // it. Every block still meets its own tiles in ascending order, exactly as
+  // alone, so results do not depend on how blocks are grouped.
+  auto Group = [&](int64_t bh, int64_t qb0, int64_t qb1, int worker) {
     const int64_t h = bh % g.h;
     const int64_t b = bh / g.h;
     const int64_t kh = h / g.group;
-    const int64_t m = g.QRows(qb);
+    const auto nb = static_cast<int>(qb1 - qb0);
     Workspace& ws = Workspace::ForThisThread(g, bf16);
     WorkerStats& st = wstats[static_cast<size_t>(worker)];
-
-    if (bf16) {
-      PackTransposedBf16Pairs(Slab{&p.q, b, h, qb * g.bq, m, g.d}, ws.qt_bf16.data(), g.ld_q);
-    } else {
-      PackTransposed(mk, p.q, b, h, qb * g.bq, m, ws.qt.data(), g.ld_q);
+    constexpr int64_t kDone = std::numeric_limits<int64_t>::max();
+    std::span<const mask::BlockRun> runs[kGroup];
+    size_t run_at[kGroup];
+    int64_t next[kGroup], computed[kGroup];
+    micro::TileArgs t[kGroup];
+    for (int i = 0; i < nb; ++i) {
+      const int64_t qb = qb0 + i, m = g.QRows(qb);
+      BlockState& s = ws.blocks[i];
+      if (bf16) {
+        PackTransposedBf16Pairs(Slab{&p.q, b, h, qb * g.bq, m, g.d}, s.qt_bf16.data(), g.ld_q);
+      } else {
+        PackTransposed(mk, p.q, b, h, qb * g.bq, m, s.qt.data(), g.ld_q);
+      }
+      if (check && AnyNonFinite(p.q, b, qb * g.bq, m, h)) p.non_finite->store(true);
+      for (int64_t r = 0; r < m; ++r) {
+        s.row_max[r] = kNegInf;
+        s.row_sum[r] = 0.0f;
+      }
+      t[i].queries = m;
+      t[i].d = g.d;
+      t[i].qt = s.qt.data();
+      t[i].ldq = g.ld_q;
+      t[i].pt = ws.pt.data();
+      t[i].ldp = g.ld_q;
+      t[i].scale = p.scale;
+      t[i].softcap = p.softcap;
+      t[i].scratch = ws.tile.data();
+      runs[i] = plan.map().Runs(h, qb);
+      run_at[i] = 0;
+      next[i] = runs[i].empty() ? kDone : runs[i][0].begin;
+      computed[i] = 0;
     }
-    if (check && AnyNonFinite(p.q, b, qb * g.bq, m, h)) p.non_finite->store(true);
-    for (int64_t i = 0; i < m; ++i) {
-      ws.row_max[i] = kNegInf;
-      ws.row_sum[i] = 0.0f;
-    }
-
-    micro::TileArgs t;
-    t.queries = m;
-    t.d = g.d;
-    t.qt = ws.qt.data();
-    t.ldq = g.ld_q;
-    t.pt = ws.pt.data();
-    t.ldp = g.ld_q;
-    t.scale = p.scale;
-    t.softcap = p.softcap;
-    t.scratch = ws.tile.data();
-    int64_t computed = 0;
-    for (const mask::BlockRun& run : plan.map().Runs(h, qb)) {
-      for (int64_t kvb = run.begin; kvb < run.end; ++kvb) {
+    while (true) {
+      const int64_t kvb = *std::min_element(next, next + nb);
+      if (kvb == kDone) break;
+      const int64_t n = g.KvRows(kvb);
+      bool fetched = false;
+      const float* keys = nullptr;
+      const float* values = nullptr;
+      int64_t ldk = 0, ldv = 0;
+      for (int i = 0; i < nb; ++i) {
+        if (next[i] != kvb) continue;
+        const int64_t qb = qb0 + i, m = g.QRows(qb);
+        const mask::BlockRun& run = runs[i][run_at[i]];
+        if (kvb + 1 < run.end) {
+          next[i] = kvb + 1;
+        } else {
+          ++run_at[i];
+          next[i] = run_at[i] < runs[i].size() ? runs[i][run_at[i]].begin : kDone;
+        }
         const BlockKind kind = plan.Refine(run.kind, b, qb, kvb);
         if (kind == BlockKind::kEmpty) continue;
-        const int64_t n = g.KvRows(kvb);
-        if (check && !kv.tile_cache() &&
-            !kv_checked[static_cast<size_t>((b * g.hkv + kh) * g.nkvb + kvb)].exchange(
-                true, std::memory_order_relaxed)) {
-          if (AnyNonFinite(p.k, b, kvb * g.bkv, n, kh) ||
-              AnyNonFinite(p.v, b, kvb * g.bkv, n, kh)) {
-            p.non_finite->store(true);
+        if (!fetched) {  // once per group: check, copy or locate the tile
+          fetched = true;
+          values = kv.Values(b, kh, kvb);
+          ldv = kv.ldv();
+          if (check && !kv.tile_cache() &&
+              !kv_checked[static_cast<size_t>((b * g.hkv + kh) * g.nkvb + kvb)].exchange(
+                  true, std::memory_order_relaxed)) {
+            if (AnyNonFinite(p.k, b, kvb * g.bkv, n, kh) ||
+                AnyNonFinite(p.v, b, kvb * g.bkv, n, kh)) {
+              p.non_finite->store(true);
+            }
+          }
+          if (!bf16) {
+            keys = kv.Keys(b, kh, kvb);
+            ldk = kv.ldk();
+            if (kv.tile_cache()) {
+              bool bad = false;
+              const KvTileCache::Tile copy =
+                  ws.kv_cache.Get(kv, mk, b, kh, kvb, check ? &bad : nullptr);
+              if (bad) p.non_finite->store(true);
+              keys = copy.k;
+              ldk = g.ld_d;
+              values = copy.v;
+              ldv = g.ld_dv;
+            }
           }
         }
-        t.keys = n;
-        t.mask = nullptr;
-        micro::KRanges keys;  // of each query: P V skips the keys it may not see
+        BlockState& s = ws.blocks[i];
+        micro::TileArgs& ti = t[i];
+        ti.keys = n;
+        ti.mask = nullptr;
+        micro::KRanges key_ranges;  // of each query: P V skips the keys it may not see
         if (kind == BlockKind::kPartial) {
           ws.mask.Fill(plan, mk, run.kind, h, b, qb, kvb);
-          t.mask = ws.mask.bits();
-          t.ldm = ws.mask.ldm();
-          keys = ws.mask.keys_of_query();
+          ti.mask = ws.mask.bits();
+          ti.ldm = ws.mask.ldm();
+          key_ranges = ws.mask.keys_of_query();
         }
-        const float* values = kv.Values(b, kh, kvb);
-        int64_t ldv = kv.ldv();
         if (bf16) {
           mk.gemm_bf16(n, RoundUp(m, micro::kVec), d2 / 2, kv.KeysBf16(b, kh, kvb), d2,
-                       ws.qt_bf16.data(), g.ld_q, t.pt, t.ldp, nullptr, false);
-          mk.softmax_columns(t, ws.row_max.data(), ws.row_sum.data(), ws.alpha.data());
+                       s.qt_bf16.data(), g.ld_q, ti.pt, ti.ldp, nullptr, false);
+          mk.softmax_columns(ti, s.row_max.data(), s.row_sum.data(), s.alpha.data());
         } else {
-          t.k = kv.Keys(b, kh, kvb);
-          t.ldk = kv.ldk();
-          if (kv.tile_cache()) {
-            bool bad = false;
-            const KvTileCache::Tile copy =
-                ws.kv_cache.Get(kv, mk, b, kh, kvb, check ? &bad : nullptr);
-            if (bad) p.non_finite->store(true);
-            t.k = copy.k;
-            t.ldk = g.ld_d;
-            values = copy.v;
-            ldv = g.ld_dv;
-          }
-          mk.forward_tile(t, ws.row_max.data(), ws.row_sum.data(), ws.alpha.data());
+          ti.k = keys;
+          ti.ldk = ldk;
+          mk.forward_tile(ti, s.row_max.data(), s.row_sum.data(), s.alpha.data());
         }
-        // The first tile initialises acc (a task with no tile never reads it).
-        mk.gemm_f32_ranges(m, g.dvp, n, t.pt, 1, t.ldp, values, ldv, ws.acc.data(), g.ld_dv,
-                           ws.alpha.data(), computed > 0, keys);
-        ++computed;
+        // The first tile initialises acc (a block with no tile never reads it).
+        mk.gemm_f32_ranges(m, g.dvp, n, ti.pt, 1, ti.ldp, values, ldv, s.acc.data(), g.ld_dv,
+                           s.alpha.data(), computed[i] > 0, key_ranges);
+        ++computed[i];
         (kind == BlockKind::kFull ? st.full : st.partial) += 1;
         st.flops += 2 * m * n * (g.d + g.dv);
       }
     }
-    st.computed += computed;
-    st.skipped += g.nkvb - computed;
-    FinishRows(g, b, h, qb, m, ws, merge, stream, out, lse);
+    for (int i = 0; i < nb; ++i) {
+      st.computed += computed[i];
+      st.skipped += g.nkvb - computed[i];
+      FinishRows(g, b, h, qb0 + i, g.QRows(qb0 + i), ws.blocks[i], merge, stream, out, lse);
+    }
     if (stream) _mm_sfence();
   };
   // Work items are runs of `chunk` consecutive q blocks of one (batch, head),
   // the last runs first (under causal masks they carry the most tiles), each
-  // run in ascending order: with per-thread kv tile copies, a thread's next
-  // q block then finds all but its newest tile in its cache (LRU order).
-  // Runs stay short enough (>= 8 per worker) for dynamic balancing.
-  const int64_t chunk =
-      kv.tile_cache()
-          ? std::clamp<int64_t>(g.b * g.h * g.nqb / (8 * static_cast<int64_t>(pool.size())), 1, 32)
-          : 1;
+  // run in ascending groups of kGroup: with per-thread kv tile copies, a
+  // thread's next group then finds all but its newest tiles in its cache (LRU
+  // order). Items stay small enough for dynamic balancing (>= 8 per worker
+  // with tile copies, >= 16 without).
+  const auto workers = static_cast<int64_t>(pool.size());
+  const int64_t tasks = g.b * g.h * g.nqb;
+  const int64_t chunk = kv.tile_cache() ? std::clamp<int64_t>(tasks / (8 * workers), 1, 32)
+                                        : std::clamp<int64_t>(tasks / (16 * workers), 1, kGroup);
   const int64_t runs_per_head = (g.nqb + chunk - 1) / chunk;
   pool.ParallelFor(g.b * g.h * runs_per_head, [&](int64_t item, int worker) {
     const int64_t run_hi = g.nqb - (item % runs_per_head) * chunk;
-    for (int64_t qb = std::max<int64_t>(0, run_hi - chunk); qb < run_hi; ++qb) {
-      Task(item / runs_per_head, qb, worker);
+    for (int64_t qb0 = std::max<int64_t>(0, run_hi - chunk); qb0 < run_hi; qb0 += kGroup) {
+      Group(item / runs_per_head, qb0, std::min<int64_t>(qb0 + kGroup, run_hi), worker);
     }
   });
   AddStats(wstats, stats);
