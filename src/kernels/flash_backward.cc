@@ -92,12 +92,14 @@ class QSide {
   // mode, valid until the next Get with the same copies.
   QTile Get(int64_t b, int64_t h, int64_t qb, TileCopies& copies) const {
     const int64_t t = (b * g_.h + h) * g_.nqb + qb;
-    const float* base = all_.data() + t * elems_;
+    const float* base = nullptr;
     if (per_thread_) {
       bool hit = false;
       float* copy = copies.Find(id_, t, elems_, kBudgetBytes, &hit);
       if (!hit) Pack(b, h, qb, copy);
       base = copy;
+    } else {
+      base = all_.data() + t * elems_;
     }
     return {base, base + qt_elems_, base + qt_elems_ + dot_elems_,
             base + qt_elems_ + dot_elems_ + q_elems_};
