@@ -24,11 +24,23 @@ struct Job {
   int ok_ranks = 0;
 };
 
+// How mpirun treats a rank that exits with a non-zero status.
+enum class OnRankFailure {
+  kKeepOthers,  // `--mca orte_abort_on_non_zero_status 0`: every rank runs to its own end
+  kAbortJob,    // mpirun's default: the remaining ranks are killed
+};
+
 // Runs the driver on `np` ranks. `timeout -k` guarantees the test itself can
-// never hang, whatever the job does.
-Job RunJob(int np, const std::string& args, const std::string& mpirun_flags = "") {
+// never hang, whatever the job does. With kAbortJob, a rank that detects the
+// failure a few milliseconds after another rank exited may be killed before
+// it prints its report (seen under load in CI), so tests of what every rank
+// reports use kKeepOthers; mpirun then exits 0 and the ranks' report lines
+// are the evidence.
+Job RunJob(int np, const std::string& args, const std::string& mpirun_flags = "",
+           OnRankFailure on_failure = OnRankFailure::kKeepOthers) {
   std::ostringstream cmd;
   cmd << "timeout -k 5 150 " << RINGSPLASH_MPIEXEC << " --oversubscribe -np " << np << ' '
+      << (on_failure == OnRankFailure::kKeepOthers ? "--mca orte_abort_on_non_zero_status 0 " : "")
       << mpirun_flags << ' ' << RINGSPLASH_FAULT_DRIVER << ' ' << args << " 2>&1";
   Job job;
   const auto start = std::chrono::steady_clock::now();
@@ -64,9 +76,8 @@ Job RunJob(int np, const std::string& args, const std::string& mpirun_flags = ""
 void ExpectAllRanksReport(const Job& job, int np, int failed_rank, const std::string& reason,
                           const char* what) {
   SCOPED_TRACE(job.output);
-  EXPECT_NE(job.exit_code, 0) << "the job must fail";
   EXPECT_NE(job.exit_code, 124) << "the job hung until `timeout` killed it";
-  EXPECT_EQ(job.ok_ranks, 0);
+  EXPECT_EQ(job.ok_ranks, 0) << "no rank may finish as if nothing failed";
   ASSERT_EQ(job.errors.size(), static_cast<size_t>(np)) << "every rank must report";
   long long first = job.errors.begin()->second.first, last = first;
   for (const auto& [rank, e] : job.errors) {
@@ -114,18 +125,21 @@ TEST(MpiFaultTest, FaultFromEnvironment) {
 }
 
 // A peer that stops answering without failing: the others time out after
-// timeout_s (1 s here) naming it; mpirun then ends the silent rank. The job
-// fails instead of hanging.
+// timeout_s (1 s here) naming it; mpirun (default: abort the job) then ends
+// the silent rank, which would otherwise sleep for 120 s. The job fails
+// instead of hanging. The other ranks time out at about the same moment, and
+// mpirun may kill one before it prints, so at least one must report.
 TEST(MpiFaultTest, SilentPeerTimesOut) {
   for (int np : {2, 3}) {
-    const Job job = RunJob(np, "silent 1");
+    const Job job = RunJob(np, "silent 1", "", OnRankFailure::kAbortJob);
     SCOPED_TRACE(job.output);
     EXPECT_NE(job.exit_code, 0);
     EXPECT_NE(job.exit_code, 124) << "hung until `timeout` killed it";
     EXPECT_NE(job.output.find("timed out after 1 s waiting for rank 1 in shift #1"),
               std::string::npos);
     EXPECT_EQ(job.errors.count(1), 0u) << "the silent rank reports nothing";
-    EXPECT_EQ(job.errors.size(), static_cast<size_t>(np - 1));
+    EXPECT_GE(job.errors.size(), 1u);
+    EXPECT_LE(job.errors.size(), static_cast<size_t>(np - 1));
     EXPECT_LT(job.seconds, 60.0);  // vs. the silent rank's 120 s sleep
     std::printf("[ mpi fault ] np=%d silent rank: job failed after %.2f s (timeout 1 s)\n", np,
                 job.seconds);
