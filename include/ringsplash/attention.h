@@ -49,7 +49,11 @@ struct AttentionOptions {
   std::optional<float> scale;    // default 1/sqrt(D)
   std::optional<float> softcap;  // cap > 0: s = cap * tanh(s / cap)
   BlockSizes block_sizes;
-  int num_threads = 0;  // 0: all hardware threads; at most 1024
+  // 0: all hardware threads; at most 1024. Worker threads are kept between
+  // calls (a pool per thread count and concurrent caller), each with a few MiB
+  // of scratch sized to its L2 cache (packed q blocks, copies of the kv tiles
+  // and q tiles it used last), so repeated calls allocate nothing per tile.
+  int num_threads = 0;
   KernelPath kernel_path = KernelPath::kAuto;
 };
 
