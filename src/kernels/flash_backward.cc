@@ -66,8 +66,7 @@ class QSide {
     elems_ = qt_elems_ + dot_elems_ + q_elems_ + do_elems_;
     // Per thread when the q tiles of any kv tile (over its group's heads),
     // plus the one its successor adds, fit in the copies.
-    const int64_t slots =
-        std::clamp<int64_t>(kBudgetBytes / (elems_ * static_cast<int64_t>(sizeof(float))), 2, 16);
+    const int64_t slots = TileCopies::Slots(elems_, kBudgetBytes);
     int64_t most = 0;
     for (int64_t kh = 0; kh < g.hkv; ++kh) {
       for (int64_t kvb = 0; kvb < g.nkvb; ++kvb) {
@@ -130,7 +129,7 @@ struct Workspace {
   AlignedBuffer<float> pt, ds, deriv, tile, dk, dv, dq;
   TileMask mask;
   TileCopies q_copies;   // QSide's per-thread mode
-  KvTileCache kv_cache;  // for KvRows::tile_cache()
+  KvTileCache kv_cache;  // where K and V are read (this thread's copies, or the call's)
   bool masked = false;   // whether the tile in pt / ds has a mask (then `mask` holds it)
 
   static Workspace& ForThisThread(const Geometry& g, bool capped) {
@@ -158,22 +157,6 @@ struct Context {
   const float* lse;
   const float* delta;
 };
-
-// K and V rows of kv tile (b, kh, kvb): the call's (KvRows), or this
-// thread's copies (valid until its next KvOf).
-struct KvTile {
-  const float* k;
-  int64_t ldk;
-  const float* v;
-  int64_t ldv;
-};
-KvTile KvOf(const Context& c, int64_t b, int64_t kh, int64_t kvb, Workspace& ws) {
-  if (c.kv.tile_cache()) {
-    const KvTileCache::Tile t = ws.kv_cache.Get(c.kv, c.mk, b, kh, kvb);
-    return {t.k, c.g.ld_d, t.v, c.g.ld_dv};
-  }
-  return {c.kv.Keys(b, kh, kvb), c.kv.ldk(), c.kv.Values(b, kh, kvb), c.kv.ldv()};
-}
 
 // P^T and dS^T of tile (b, h, qb, kvb) into ws.pt / ws.ds; returns its kind
 // (kEmpty: nothing computed).
@@ -267,7 +250,7 @@ void KvBlock(const Context& c, const TilePlan& cols, int64_t b, int64_t kh, int6
   const int64_t n = g.KvRows(kvb);
   std::memset(ws.dk.data(), 0, static_cast<size_t>(n * g.ld_d) * sizeof(float));
   std::memset(ws.dv.data(), 0, static_cast<size_t>(n * g.ld_dv) * sizeof(float));
-  const KvTile kvt = KvOf(c, b, kh, kvb, ws);
+  const KvTile kvt = ws.kv_cache.Get(c.kv, c.mk, b, kh, kvb);
   int64_t computed = 0;
   for (int64_t h = kh * g.group; h < (kh + 1) * g.group; ++h) {
     for (const mask::BlockRun& run : cols.map().Runs(h, kvb)) {
@@ -365,7 +348,7 @@ void FlashBackward(const FlashParams& p, ThreadPool& pool, const TensorView& dou
       const QTile qs = c.qs.Get(b, h, qb, ws.q_copies);
       for (const mask::BlockRun& run : rows.map().Runs(h, qb)) {
         for (int64_t kvb = run.begin; kvb < run.end; ++kvb) {
-          const KvTile kvt = KvOf(c, b, h / g.group, kvb, ws);
+          const KvTile kvt = ws.kv_cache.Get(c.kv, c.mk, b, h / g.group, kvb);
           if (TileProbs(c, qs, kvt, run.kind, b, h, qb, kvb, ws) == BlockKind::kEmpty) continue;
           AccumulateQ(c, kvt, qb, kvb, dq, ws);
           st.flops += 2 * g.QRows(qb) * g.KvRows(kvb) * (2 * g.d + g.dv);

@@ -127,26 +127,21 @@ void TileMask::Fill(const TilePlan& plan, const micro::MicroKernels& mk, mask::B
   // Segments make a tile's mask depend on the batch's documents: no key.
   mask::TileShapeKey key;
   const bool keyed = !plan.has_segments() && plan.map().ShiftKey(head, qb, kvb, &key);
-  ++clock_;
-  Entry* victim = &entries_[0];
-  for (Entry& e : entries_) {
-    if (keyed && e.plan == plan.id() && e.key == key) {
-      e.last_use = clock_;
-      cur_ = &e;
-      ++reuses_;
-      return;
-    }
-    if (e.last_use < victim->last_use) victim = &e;
+  bool hit = false;
+  cur_ = FindOrEvict(
+      std::span<Entry>(entries_), &clock_,
+      [&](const Entry& e) { return keyed && e.plan == plan.id() && e.key == key; }, &hit);
+  if (hit) {
+    ++reuses_;
+    return;
   }
-  cur_ = victim;
-  victim->plan = keyed ? plan.id() : 0;
-  victim->key = key;
-  victim->last_use = clock_;
+  cur_->plan = keyed ? plan.id() : 0;
+  cur_->key = key;
   ++builds_;
   plan.FillMask(map_kind, head, b, qb, kvb, bytes_.data(), g.ld_kv);
-  mk.mask_bits(g.QRows(qb), g.KvRows(kvb), bytes_.data(), g.ld_kv, victim->bits.data(), ldm_,
-               victim->key_lo.data(), victim->key_hi.data(), victim->query_lo.data(),
-               victim->query_hi.data());
+  mk.mask_bits(g.QRows(qb), g.KvRows(kvb), bytes_.data(), g.ld_kv, cur_->bits.data(), ldm_,
+               cur_->key_lo.data(), cur_->key_hi.data(), cur_->query_lo.data(),
+               cur_->query_hi.data());
 }
 
 double TilePlan::UsesPerKvTile() const {
@@ -158,7 +153,7 @@ double TilePlan::UsesPerKvTile() const {
 
 KvRows::KvRows(const FlashParams& p, const Geometry& g, KeyFormat keys, double uses,
                ThreadPool& pool, bool tile_cache)
-    : g_(g) {
+    : g_(g), keys_(keys) {
   id_ = NewCallId();
   const TensorView& k = p.k;
   const TensorView& v = p.v;
@@ -259,34 +254,33 @@ uint64_t NewCallId() {
   return next.fetch_add(1, std::memory_order_relaxed);
 }
 
+int64_t TileCopies::Slots(int64_t floats, int64_t budget_bytes) {
+  return std::clamp<int64_t>(budget_bytes / (floats * static_cast<int64_t>(sizeof(float))), 2, 16);
+}
+
 float* TileCopies::Find(uint64_t call, int64_t tile, int64_t floats, int64_t budget_bytes,
                         bool* hit) {
-  const int64_t count =
-      std::clamp<int64_t>(budget_bytes / (floats * static_cast<int64_t>(sizeof(float))), 2, 16);
-  if (floats != floats_ || count != count_) {  // first use, or another kind of tile
+  const int64_t count = Slots(floats, budget_bytes);
+  if (floats != floats_ || count != static_cast<int64_t>(slots_.size())) {  // another kind of tile
     floats_ = floats;
-    count_ = count;
     slots_.assign(static_cast<size_t>(count), Slot{});
     data_.Resize(static_cast<size_t>(count * floats), /*zero=*/false);
   }
-  ++clock_;
-  Slot* victim = slots_.data();
-  for (Slot& s : slots_) {
-    if (s.call == call && s.tile == tile) {
-      s.last_use = clock_;
-      *hit = true;
-      return data_.data() + (&s - slots_.data()) * floats_;
-    }
-    if (s.last_use < victim->last_use) victim = &s;
-  }
-  *victim = Slot{call, tile, clock_};
-  *hit = false;
-  return data_.data() + (victim - slots_.data()) * floats_;
+  Slot* s = FindOrEvict(
+      std::span<Slot>(slots_), &clock_,
+      [&](const Slot& x) { return x.call == call && x.tile == tile; }, hit);
+  s->call = call;
+  s->tile = tile;
+  return data_.data() + (s - slots_.data()) * floats_;
 }
 
-KvTileCache::Tile KvTileCache::Get(const KvRows& kv, const micro::MicroKernels& mk, int64_t b,
-                                   int64_t kh, int64_t kvb, bool* non_finite) {
+KvTile KvTileCache::Get(const KvRows& kv, const micro::MicroKernels& mk, int64_t b, int64_t kh,
+                        int64_t kvb, bool* non_finite) {
   const Geometry& g = kv.g_;
+  if (!kv.tile_cache()) {
+    return {kv.f32_keys() ? kv.Keys(b, kh, kvb) : nullptr, kv.ldk(), kv.Values(b, kh, kvb),
+            kv.ldv()};
+  }
   const int64_t k_floats = g.bkv * g.ld_d;
   bool hit = false;
   float* k =
@@ -298,7 +292,7 @@ KvTileCache::Tile KvTileCache::Get(const KvRows& kv, const micro::MicroKernels& 
     bad = mk.copy_rows_f32(kv.Values(b, kh, kvb), kv.ldv(), n, g.dv, k + k_floats, g.ld_dv) || bad;
     if (non_finite != nullptr && bad) *non_finite = true;
   }
-  return {k, k + k_floats};
+  return {k, g.ld_d, k + k_floats, g.ld_dv};
 }
 
 void PackTransposed(const micro::MicroKernels& mk, const TensorView& t, int64_t b, int64_t head,

@@ -6,6 +6,7 @@
 #define RINGSPLASH_KERNELS_FLASH_COMMON_H_
 
 #include <cstdint>
+#include <span>
 #include <vector>
 
 #include "ringsplash/attention.h"
@@ -132,6 +133,7 @@ class KvRows {
   bool keys_in_place() const { return k_in_place_ != nullptr; }
   bool values_in_place() const { return v_in_place_ != nullptr; }
   bool tile_cache() const { return tile_cache_; }
+  bool f32_keys() const { return keys_ != KeyFormat::kBf16; }  // else KeysBf16 only
 
  private:
   friend class KvTileCache;
@@ -139,6 +141,7 @@ class KvRows {
     return (b * g_.hkv + kh) * g_.nkvb + kvb;
   }
   const Geometry& g_;
+  KeyFormat keys_;
   uint64_t id_ = 0;  // unique per instance: tells a cache which call a copy is from
   bool tile_cache_ = false;
   const float* k_in_place_ = nullptr;
@@ -149,13 +152,36 @@ class KvRows {
   AlignedBuffer<uint16_t> k_bf16_;
 };
 
+// Least-recently-used lookup over `slots` (each with a `last_use` stamp): the
+// first slot `matches` accepts (*hit = true), else the least recently used
+// one (*hit = false, for the caller to refill); either way stamped with the
+// next tick of *clock. Used by the per-thread caches TileCopies and TileMask.
+template <class Slot, class Matches>
+Slot* FindOrEvict(std::span<Slot> slots, uint64_t* clock, Matches matches, bool* hit) {
+  ++*clock;
+  Slot* victim = slots.data();
+  for (Slot& s : slots) {
+    if (matches(s)) {
+      s.last_use = *clock;
+      *hit = true;
+      return &s;
+    }
+    if (s.last_use < victim->last_use) victim = &s;
+  }
+  victim->last_use = *clock;
+  *hit = false;
+  return victim;
+}
+
 // Per-thread copies of the tiles a worker used last, least recently used out
-// first: slots of `floats` floats, as many as fit in `budget_bytes` (2 to
-// 16), kept for the thread's lifetime so that they stay in its L2 and cost
-// no fresh memory. A cache serves one kind of tile (KvTileCache, the
-// backward's q side); a new slot size empties it.
+// first: slots of `floats` floats, Slots(floats, budget_bytes) of them, kept
+// for the thread's lifetime so that they stay in its L2 and cost no fresh
+// memory. A cache serves one kind of tile (KvTileCache, the backward's q
+// side); a new slot size empties it.
 class TileCopies {
  public:
+  // As many slots of `floats` floats as fit in budget_bytes, 2 to 16.
+  static int64_t Slots(int64_t floats, int64_t budget_bytes);
   // The slot of tile `tile` of call `call`; *hit says whether it already
   // holds that tile's copy, else the caller must fill it now.
   float* Find(uint64_t call, int64_t tile, int64_t floats, int64_t budget_bytes, bool* hit);
@@ -168,28 +194,35 @@ class TileCopies {
   };
   std::vector<Slot> slots_;
   AlignedBuffer<float> data_;
-  int64_t floats_ = 0, count_ = 0;
+  int64_t floats_ = 0;
   uint64_t clock_ = 0;
 };
 
-// Per-thread copies of the kv tiles for calls with KvRows::tile_cache(): K
-// and V rows of a tile are copied (leading dimensions ld_d and ld_dv) on the
-// thread's first use and reused by its next tasks — neighbouring q blocks of
-// a sliding window share all but one tile. A copy is exact, so results do not
-// depend on hits and misses. About half of a 2 MiB L2.
+// K and V rows of one kv tile as the loops read them: K(j, c) = k[j * ldk +
+// c], V(j, c) = v[j * ldv + c]; k is null when the keys are bf16 (read
+// through KvRows::KeysBf16 instead).
+struct KvTile {
+  const float* k;
+  int64_t ldk;
+  const float* v;
+  int64_t ldv;
+};
+
+// Where a thread reads kv tile (b, kv head, kvb) from: the call's rows
+// (KvRows: in place or packed per call), or — with KvRows::tile_cache() — its
+// own copies, made (leading dimensions ld_d and ld_dv) on the thread's first
+// use and reused by its next tasks: neighbouring q blocks of a sliding window
+// share all but one tile. A copy is exact, so results do not depend on hits
+// and misses. About half of a 2 MiB L2.
 class KvTileCache {
  public:
   static constexpr int64_t kBudgetBytes = 1280 * 1024;
-  struct Tile {
-    const float* k;  // K(j, c) = k[j * ld_d + c]
-    const float* v;  // V(j, c) = v[j * ld_dv + c]
-  };
-  // With non_finite, a copy made here sets *non_finite if the tile's K or V
-  // rows hold a NaN or an infinity (checked while copying). Every tile a
-  // thread computes is copied by it at least once per call, so this checks
-  // each computed tile (FlashParams::non_finite).
-  Tile Get(const KvRows& kv, const micro::MicroKernels& mk, int64_t b, int64_t kh, int64_t kvb,
-           bool* non_finite = nullptr);
+  // Valid until this cache's next Get. With non_finite, a copy made here sets
+  // *non_finite if the tile's K or V rows hold a NaN or an infinity (checked
+  // while copying): every tile a thread computes is copied by it at least
+  // once per call, so this checks each computed tile (FlashParams::non_finite).
+  KvTile Get(const KvRows& kv, const micro::MicroKernels& mk, int64_t b, int64_t kh, int64_t kvb,
+             bool* non_finite = nullptr);
 
  private:
   TileCopies copies_;

@@ -209,9 +209,7 @@ void Forward(const FlashParams& p, ThreadPool& pool, bool merge, float* out, flo
       if (kvb == kDone) break;
       const int64_t n = g.KvRows(kvb);
       bool fetched = false;
-      const float* keys = nullptr;
-      const float* values = nullptr;
-      int64_t ldk = 0, ldv = 0;
+      KvTile kvt{};
       for (int i = 0; i < nb; ++i) {
         if (next[i] != kvb) continue;
         const int64_t qb = qb0 + i, m = g.QRows(qb);
@@ -226,8 +224,6 @@ void Forward(const FlashParams& p, ThreadPool& pool, bool merge, float* out, flo
         if (kind == BlockKind::kEmpty) continue;
         if (!fetched) {  // once per group: check, copy or locate the tile
           fetched = true;
-          values = kv.Values(b, kh, kvb);
-          ldv = kv.ldv();
           if (check && !kv.tile_cache() &&
               !kv_checked[static_cast<size_t>((b * g.hkv + kh) * g.nkvb + kvb)].exchange(
                   true, std::memory_order_relaxed)) {
@@ -236,20 +232,9 @@ void Forward(const FlashParams& p, ThreadPool& pool, bool merge, float* out, flo
               p.non_finite->store(true);
             }
           }
-          if (!bf16) {
-            keys = kv.Keys(b, kh, kvb);
-            ldk = kv.ldk();
-            if (kv.tile_cache()) {
-              bool bad = false;
-              const KvTileCache::Tile copy =
-                  ws.kv_cache.Get(kv, mk, b, kh, kvb, check ? &bad : nullptr);
-              if (bad) p.non_finite->store(true);
-              keys = copy.k;
-              ldk = g.ld_d;
-              values = copy.v;
-              ldv = g.ld_dv;
-            }
-          }
+          bool bad = false;  // met by a per-thread copy
+          kvt = ws.kv_cache.Get(kv, mk, b, kh, kvb, check ? &bad : nullptr);
+          if (bad) p.non_finite->store(true);
         }
         BlockState& s = ws.blocks[i];
         micro::TileArgs& ti = t[i];
@@ -267,12 +252,12 @@ void Forward(const FlashParams& p, ThreadPool& pool, bool merge, float* out, flo
                        s.qt_bf16.data(), g.ld_q, ti.pt, ti.ldp, nullptr, false);
           mk.softmax_columns(ti, s.row_max.data(), s.row_sum.data(), s.alpha.data());
         } else {
-          ti.k = keys;
-          ti.ldk = ldk;
+          ti.k = kvt.k;
+          ti.ldk = kvt.ldk;
           mk.forward_tile(ti, s.row_max.data(), s.row_sum.data(), s.alpha.data());
         }
         // The first tile initialises acc (a block with no tile never reads it).
-        mk.gemm_f32_ranges(m, g.dvp, n, ti.pt, 1, ti.ldp, values, ldv, s.acc.data(), g.ld_dv,
+        mk.gemm_f32_ranges(m, g.dvp, n, ti.pt, 1, ti.ldp, kvt.v, kvt.ldv, s.acc.data(), g.ld_dv,
                            s.alpha.data(), computed[i] > 0, key_ranges);
         ++computed[i];
         (kind == BlockKind::kFull ? st.full : st.partial) += 1;
