@@ -228,8 +228,7 @@ struct Shape {
   int64_t b, sq, skv, h, hkv, d, dv;
 };
 
-void CheckAgainstReference(const Shape& sh, DType dtype, const RunConfig& s, bool segments,
-                           uint64_t seed, bool backward = true) {
+ProblemSpec SpecOf(const Shape& sh, DType dtype = DType::kF32, bool segments = false) {
   ProblemSpec spec;
   spec.b = sh.b;
   spec.sq = sh.sq;
@@ -240,7 +239,12 @@ void CheckAgainstReference(const Shape& sh, DType dtype, const RunConfig& s, boo
   spec.dv = sh.dv;
   spec.dtype = dtype;
   spec.segments = segments;
-  Problem prob(seed, spec);
+  return spec;
+}
+
+void CheckAgainstReference(const Shape& sh, DType dtype, const RunConfig& s, bool segments,
+                           uint64_t seed, bool backward = true) {
+  Problem prob(seed, SpecOf(sh, dtype, segments));
   const testing::RefProblem rp = prob.Ref(s);
   const testing::RefForward ref = testing::ReferenceForward(rp);
   const Result r = prob.Run(s, backward, &ref);
@@ -324,19 +328,11 @@ TEST(FlashTest, WindowTileCopiesMatchReferenceOnAnyThreadCount) {
   uint64_t seed = 250;
   for (KernelPath path : SupportedKernelPaths()) {
     const Shape sh{2, 300, 300, 4, 2, 64, 48};
-    ProblemSpec spec;
-    spec.b = sh.b;
-    spec.sq = sh.sq;
-    spec.skv = sh.skv;
-    spec.h = sh.h;
-    spec.hkv = sh.hkv;
-    spec.d = sh.d;
-    spec.dv = sh.dv;
     RunConfig s;
     s.path = path;
     s.mask = Mask::Causal() & Mask::Local(40, std::nullopt);
     s.blocks = {32, 16};
-    Problem prob(++seed, spec);
+    Problem prob(++seed, SpecOf(sh));
     ASSERT_TRUE(UsesTileCopies(prob, s));
     CheckAgainstReference(sh, DType::kF32, s, /*segments=*/false, seed, /*backward=*/false);
     s.threads = 1;
@@ -367,20 +363,12 @@ TEST(FlashTest, TileCopiesAcrossShapesAndEvictions) {
   };
   uint64_t seed = 270;
   for (const Case& c : cases) {
-    ProblemSpec spec;
-    spec.b = c.shape.b;
-    spec.sq = c.shape.sq;
-    spec.skv = c.shape.skv;
-    spec.h = c.shape.h;
-    spec.hkv = c.shape.hkv;
-    spec.d = c.shape.d;
-    spec.dv = c.shape.dv;
     RunConfig s;
     s.path = SupportedKernelPaths().back();
     s.mask = Mask::Full();
     s.blocks = c.blocks;
     s.threads = 1;
-    ASSERT_TRUE(UsesTileCopies(Problem(++seed, spec), s));
+    ASSERT_TRUE(UsesTileCopies(Problem(++seed, SpecOf(c.shape)), s));
     CheckAgainstReference(c.shape, DType::kF32, s, /*segments=*/false, seed, /*backward=*/false);
   }
 }
@@ -401,14 +389,7 @@ TEST(FlashTest, QBlockGroupsAndQTileCopiesOnAnyThreadCount) {
       s.mask = mask;
       s.blocks = {16, 16};
       CheckAgainstReference(sh, DType::kF32, s, /*segments=*/false, ++seed);
-      ProblemSpec spec;
-      spec.sq = sh.sq;
-      spec.skv = sh.skv;
-      spec.h = sh.h;
-      spec.hkv = sh.hkv;
-      spec.d = sh.d;
-      spec.dv = sh.dv;
-      Problem prob(seed, spec);
+      Problem prob(seed, SpecOf(sh));
       s.threads = 1;
       const Result r1 = prob.Run(s, true);
       for (int threads : {2, 3}) {
