@@ -229,14 +229,7 @@ struct Shape {
 };
 
 ProblemSpec SpecOf(const Shape& sh, DType dtype = DType::kF32, bool segments = false) {
-  ProblemSpec spec;
-  spec.b = sh.b;
-  spec.sq = sh.sq;
-  spec.skv = sh.skv;
-  spec.h = sh.h;
-  spec.hkv = sh.hkv;
-  spec.d = sh.d;
-  spec.dv = sh.dv;
+  ProblemSpec spec(sh.b, sh.sq, sh.skv, sh.h, sh.hkv, sh.d, sh.dv);
   spec.dtype = dtype;
   spec.segments = segments;
   return spec;
