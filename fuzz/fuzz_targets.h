@@ -15,6 +15,9 @@
 //   AttentionOneInput: AttentionForward/Backward on random shapes, strides,
 //                      dtypes and options either throw Error (exactly when an
 //                      argument is invalid) or match the f64 reference.
+//   RingOneInput:      the same problems, where valid, through
+//                      RingAttentionThreads on 1-4 ranks and every layout:
+//                      accepted, and matching the f64 reference.
 #ifndef RINGSPLASH_FUZZ_FUZZ_TARGETS_H_
 #define RINGSPLASH_FUZZ_FUZZ_TARGETS_H_
 
@@ -26,6 +29,7 @@ namespace ringsplash::fuzz {
 int NpyOneInput(const uint8_t* data, size_t size);
 int MaskParseOneInput(const uint8_t* data, size_t size);
 int AttentionOneInput(const uint8_t* data, size_t size);
+int RingOneInput(const uint8_t* data, size_t size);
 
 }  // namespace ringsplash::fuzz
 

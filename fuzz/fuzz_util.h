@@ -11,10 +11,13 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <exception>
 #include <sstream>
 #include <string>
 #include <string_view>
 #include <utility>
+
+#include "ringsplash/error.h"
 
 namespace ringsplash::fuzz {
 
@@ -29,6 +32,21 @@ void FuzzCheck(bool condition, Args&&... parts) {
   std::fprintf(stderr, "FUZZ PROPERTY VIOLATED: %s\n", os.str().c_str());
   std::fflush(stderr);
   std::abort();
+}
+
+// Runs `call`; returns true if it threw ringsplash::Error (message in *msg).
+// Any other exception is a violation.
+template <typename F>
+bool Throws(F&& call, std::string* msg) {
+  try {
+    call();
+  } catch (const Error& e) {
+    *msg = e.what();
+    return true;
+  } catch (const std::exception& e) {
+    FuzzCheck(false, "non-ringsplash exception: ", e.what());
+  }
+  return false;
 }
 
 class ByteReader {

@@ -24,10 +24,14 @@ namespace fs = std::filesystem;
 
 using TargetFn = int (*)(const uint8_t*, size_t);
 
-std::vector<fs::path> InputsOf(const std::string& target) {
+// The seeds and saved crash inputs of `target`, and the seeds of `extra`
+// (a target whose corpus also seeds this one; scripts/ci_fuzz.sh).
+std::vector<fs::path> InputsOf(const std::string& target, const std::string& extra = "") {
+  std::vector<fs::path> roots = {fs::path(RINGSPLASH_FUZZ_DIR) / "corpus" / target,
+                                 fs::path(RINGSPLASH_FUZZ_DIR) / "regressions" / target};
+  if (!extra.empty()) roots.push_back(fs::path(RINGSPLASH_FUZZ_DIR) / "corpus" / extra);
   std::vector<fs::path> files;
-  for (const char* dir : {"corpus", "regressions"}) {
-    const fs::path root = fs::path(RINGSPLASH_FUZZ_DIR) / dir / target;
+  for (const fs::path& root : roots) {
     if (!fs::is_directory(root)) continue;
     for (const auto& entry : fs::directory_iterator(root)) {
       if (entry.is_regular_file() && entry.path().filename().string()[0] != '.') {
@@ -39,9 +43,9 @@ std::vector<fs::path> InputsOf(const std::string& target) {
   return files;
 }
 
-// Runs every input of `target`; returns how many ran.
-size_t Replay(const std::string& target, TargetFn fn) {
-  const std::vector<fs::path> files = InputsOf(target);
+// Runs every input of `target` (and `extra`'s seeds); returns how many ran.
+size_t Replay(const std::string& target, TargetFn fn, const std::string& extra = "") {
+  const std::vector<fs::path> files = InputsOf(target, extra);
   for (const fs::path& f : files) {
     std::ifstream in(f, std::ios::binary);
     const std::vector<char> bytes((std::istreambuf_iterator<char>(in)),
@@ -56,6 +60,10 @@ TEST(FuzzCorpus, MaskParse) { EXPECT_GT(Replay("mask_parse", MaskParseOneInput),
 
 TEST(FuzzCorpus, Attention) { EXPECT_GT(Replay("attention", AttentionOneInput), 0u); }
 
+// The ring target's own seeds cover what the attention seeds do not reach
+// through the ring (both seed its fuzzer).
+TEST(FuzzCorpus, Ring) { EXPECT_GT(Replay("ring", RingOneInput, "attention"), 0u); }
+
 #ifdef RINGSPLASH_HAVE_NPY
 TEST(FuzzCorpus, Npy) { EXPECT_GT(Replay("npy", NpyOneInput), 0u); }
 #endif
@@ -66,6 +74,7 @@ TEST(FuzzCorpus, EmptyAndTinyInputs) {
   for (size_t n = 0; n <= sizeof bytes; ++n) {
     MaskParseOneInput(bytes, n);
     AttentionOneInput(bytes, n);
+    RingOneInput(bytes, n);
 #ifdef RINGSPLASH_HAVE_NPY
     NpyOneInput(bytes, n);
 #endif
