@@ -136,6 +136,215 @@ void FinishRows(const Geometry& g, int64_t b, int64_t h, int64_t qb, int64_t m, 
   }
 }
 
+// One call's task loop: what its tasks share (read-only, but for the
+// non-finite flag and each worker's own counters).
+class ForwardCall {
+ public:
+  ForwardCall(const FlashParams& p, const Geometry& g, ThreadPool& pool, bool merge, float* out,
+              float* lse)
+      : p_(p),
+        g_(g),
+        mk_(micro::MicroKernelsFor(p.path)),
+        bf16_(UseBf16Scores(p, mk_)),
+        plan_(p, g, /*by_column=*/false),
+        kv_(p, g, bf16_ ? KvRows::KeyFormat::kBf16 : KvRows::KeyFormat::kF32, plan_.UsesPerKvTile(),
+            pool, /*tile_cache=*/true),
+        check_(p.non_finite != nullptr),
+        kv_checked_(check_ ? static_cast<size_t>(g.b * g.hkv * g.nkvb) : 0),
+        merge_(merge),
+        stream_(!merge && g.b * g.sq * g.h * g.dv >= kStreamMinFloats),
+        out_(out),
+        lse_(lse),
+        wstats_(static_cast<size_t>(pool.size())) {}
+
+  // Work items are runs of `chunk` consecutive q blocks of one (batch, head),
+  // the last runs first (under causal masks they carry the most tiles), each
+  // run in ascending groups of kGroup: with per-thread kv tile copies, a
+  // thread's next group then finds all but its newest tiles in its cache (LRU
+  // order). Items stay small enough for dynamic balancing (>= 8 per worker
+  // with tile copies, >= 16 without).
+  void Run(ThreadPool& pool, KernelStats* stats) {
+    const auto workers = static_cast<int64_t>(pool.size());
+    const int64_t tasks = g_.b * g_.h * g_.nqb;
+    const int64_t chunk = kv_.tile_cache() ? std::clamp<int64_t>(tasks / (8 * workers), 1, 32)
+                                           : std::clamp<int64_t>(tasks / (16 * workers), 1, kGroup);
+    const int64_t runs_per_head = (g_.nqb + chunk - 1) / chunk;
+    pool.ParallelFor(g_.b * g_.h * runs_per_head, [&](int64_t item, int worker) {
+      const int64_t run_hi = g_.nqb - (item % runs_per_head) * chunk;
+      for (int64_t qb0 = std::max<int64_t>(0, run_hi - chunk); qb0 < run_hi; qb0 += kGroup) {
+        Group(item / runs_per_head, qb0, std::min<int64_t>(qb0 + kGroup, run_hi), worker);
+      }
+    });
+    AddStats(wstats_, stats);
+  }
+
+ private:
+  static constexpr int64_t kDone = std::numeric_limits<int64_t>::max();
+
+  // Where one q block of a group stands in its walk over its kv tiles.
+  struct Walk {
+    std::span<const mask::BlockRun> runs;
+    size_t run_at = 0;
+    int64_t next = kDone;  // the next kv tile it needs
+    int64_t computed = 0;
+    micro::TileArgs t;
+  };
+
+  // q blocks [qb0, qb1) (at most kGroup) of (batch, head) bh = b * H + h,
+  // kv tiles in ascending order, each fetched once for the blocks that use
+  // it. Every block still meets its own tiles in ascending order, exactly as
+  // alone, so results do not depend on how blocks are grouped.
+  void Group(int64_t bh, int64_t qb0, int64_t qb1, int worker) {
+    const int64_t h = bh % g_.h, b = bh / g_.h, kh = h / g_.group;
+    const auto nb = static_cast<int>(qb1 - qb0);
+    Workspace& ws = Workspace::ForThisThread(g_, bf16_);
+    WorkerStats& st = wstats_[static_cast<size_t>(worker)];
+    Walk walks[kGroup];
+    int64_t next[kGroup];
+    for (int i = 0; i < nb; ++i) {
+      Begin(ws, b, h, qb0 + i, ws.blocks[i], walks[i]);
+      next[i] = walks[i].next;
+    }
+    while (true) {
+      const int64_t kvb = *std::min_element(next, next + nb);
+      if (kvb == kDone) break;
+      bool fetched = false;
+      KvTile kvt{};
+      for (int i = 0; i < nb; ++i) {
+        if (next[i] != kvb) continue;
+        Walk& w = walks[i];
+        const mask::BlockRun& run = w.runs[w.run_at];
+        Advance(w, kvb);
+        next[i] = w.next;
+        const int64_t qb = qb0 + i;
+        const BlockKind kind = plan_.Refine(run.kind, b, qb, kvb);
+        if (kind == BlockKind::kEmpty) continue;
+        if (!fetched) {  // once per group: check, copy or locate the tile
+          fetched = true;
+          kvt = Fetch(ws, b, kh, kvb);
+        }
+        Tile(ws, b, h, qb, kvb, run.kind, kind, kvt, ws.blocks[i], w);
+        (kind == BlockKind::kFull ? st.full : st.partial) += 1;
+        st.flops += 2 * g_.QRows(qb) * g_.KvRows(kvb) * (g_.d + g_.dv);
+      }
+    }
+    for (int i = 0; i < nb; ++i) {
+      st.computed += walks[i].computed;
+      st.skipped += g_.nkvb - walks[i].computed;
+      FinishRows(g_, b, h, qb0 + i, g_.QRows(qb0 + i), ws.blocks[i], merge_, stream_, out_, lse_);
+    }
+    if (stream_) _mm_sfence();
+  }
+
+  // Packs q block qb as Q^T, checks its rows, resets its softmax state and
+  // points its walk at its first kv tile.
+  void Begin(Workspace& ws, int64_t b, int64_t h, int64_t qb, BlockState& s, Walk& w) {
+    const int64_t m = g_.QRows(qb);
+    if (bf16_) {
+      PackTransposedBf16Pairs(Slab{&p_.q, b, h, qb * g_.bq, m, g_.d}, s.qt_bf16.data(), g_.ld_q);
+    } else {
+      PackTransposed(mk_, p_.q, b, h, qb * g_.bq, m, s.qt.data(), g_.ld_q);
+    }
+    if (check_ && AnyNonFinite(p_.q, b, qb * g_.bq, m, h)) p_.non_finite->store(true);
+    for (int64_t r = 0; r < m; ++r) {
+      s.row_max[r] = kNegInf;
+      s.row_sum[r] = 0.0f;
+    }
+    micro::TileArgs& t = w.t;
+    t.queries = m;
+    t.d = g_.d;
+    t.qt = s.qt.data();
+    t.ldq = g_.ld_q;
+    t.pt = ws.pt.data();
+    t.ldp = g_.ld_q;
+    t.scale = p_.scale;
+    t.softcap = p_.softcap;
+    t.scratch = ws.tile.data();
+    w.runs = plan_.map().Runs(h, qb);
+    w.run_at = 0;
+    w.next = w.runs.empty() ? kDone : w.runs[0].begin;
+    w.computed = 0;
+  }
+
+  // Moves a walk past kv tile kvb (its current one).
+  static void Advance(Walk& w, int64_t kvb) {
+    if (kvb + 1 < w.runs[w.run_at].end) {
+      w.next = kvb + 1;
+    } else {
+      ++w.run_at;
+      w.next = w.run_at < w.runs.size() ? w.runs[w.run_at].begin : kDone;
+    }
+  }
+
+  // K and V rows of kv tile (b, kh, kvb), checked for NaN/Inf when the call
+  // asks: in place by the first task that uses the tile, or while a thread
+  // copies it (every computed tile is copied by its thread at least once).
+  KvTile Fetch(Workspace& ws, int64_t b, int64_t kh, int64_t kvb) {
+    if (check_ && !kv_.tile_cache() &&
+        !kv_checked_[static_cast<size_t>((b * g_.hkv + kh) * g_.nkvb + kvb)].exchange(
+            true, std::memory_order_relaxed)) {
+      const int64_t n = g_.KvRows(kvb);
+      if (AnyNonFinite(p_.k, b, kvb * g_.bkv, n, kh) ||
+          AnyNonFinite(p_.v, b, kvb * g_.bkv, n, kh)) {
+        p_.non_finite->store(true);
+      }
+    }
+    bool bad = false;
+    const KvTile kvt = ws.kv_cache.Get(kv_, mk_, b, kh, kvb, check_ ? &bad : nullptr);
+    if (bad) p_.non_finite->store(true);
+    return kvt;
+  }
+
+  // One online-softmax step of q block qb over kv tile kvb (refined kind
+  // `kind`, partial or full): P^T from the fused score kernel, then
+  // acc = diag(alpha) acc + P V (the first tile initialises acc).
+  void Tile(Workspace& ws, int64_t b, int64_t h, int64_t qb, int64_t kvb, BlockKind map_kind,
+            BlockKind kind, const KvTile& kvt, BlockState& s, Walk& w) {
+    const int64_t m = g_.QRows(qb), n = g_.KvRows(kvb);
+    micro::TileArgs& t = w.t;
+    t.keys = n;
+    t.mask = nullptr;
+    micro::KRanges key_ranges;  // of each query: P V skips the keys it may not see
+    if (kind == BlockKind::kPartial) {
+      ws.mask.Fill(plan_, mk_, map_kind, h, b, qb, kvb);
+      t.mask = ws.mask.bits();
+      t.ldm = ws.mask.ldm();
+      key_ranges = ws.mask.keys_of_query();
+    }
+    if (bf16_) {
+      const int64_t d2 = RoundUp(g_.d, 2);
+      mk_.gemm_bf16(n, RoundUp(m, micro::kVec), d2 / 2, kv_.KeysBf16(b, h / g_.group, kvb), d2,
+                    s.qt_bf16.data(), g_.ld_q, t.pt, t.ldp, nullptr, false);
+      mk_.softmax_columns(t, s.row_max.data(), s.row_sum.data(), s.alpha.data());
+    } else {
+      t.k = kvt.k;
+      t.ldk = kvt.ldk;
+      mk_.forward_tile(t, s.row_max.data(), s.row_sum.data(), s.alpha.data());
+    }
+    // A block with no tile never reads acc.
+    mk_.gemm_f32_ranges(m, g_.dvp, n, t.pt, 1, t.ldp, kvt.v, kvt.ldv, s.acc.data(), g_.ld_dv,
+                        s.alpha.data(), w.computed > 0, key_ranges);
+    ++w.computed;
+  }
+
+  const FlashParams& p_;
+  const Geometry& g_;
+  const micro::MicroKernels& mk_;
+  const bool bf16_;
+  const TilePlan plan_;
+  const KvRows kv_;
+  // FlashParams::non_finite: kv tiles read in place are checked once each
+  // (kv_checked_: (b, kv head, kvb) claimed by its first user); q rows by
+  // their own task.
+  const bool check_;
+  std::vector<std::atomic<bool>> kv_checked_;
+  const bool merge_;
+  const bool stream_;  // outputs larger than the caches are written past them (ScaleRow)
+  float* out_;
+  float* lse_;
+  std::vector<WorkerStats> wstats_;
+};
+
 void Forward(const FlashParams& p, ThreadPool& pool, bool merge, float* out, float* lse,
              KernelStats* stats) {
   const Geometry g = Geometry::Of(p);
@@ -146,149 +355,7 @@ void Forward(const FlashParams& p, ThreadPool& pool, bool merge, float* out, flo
     for (int64_t i = 0; i < g.b * g.h * g.sq; ++i) lse[i] = kNegInf;
     return;
   }
-  const micro::MicroKernels& mk = micro::MicroKernelsFor(p.path);
-  const bool bf16 = UseBf16Scores(p, mk);
-  const TilePlan plan(p, g, /*by_column=*/false);
-  const KvRows kv(p, g, bf16 ? KvRows::KeyFormat::kBf16 : KvRows::KeyFormat::kF32,
-                  plan.UsesPerKvTile(), pool, /*tile_cache=*/true);
-  std::vector<WorkerStats> wstats(static_cast<size_t>(pool.size()));
-  // FlashParams::non_finite: each kv tile (b, kv head, kvb) is checked by the
-  // first task that computes it (with per-thread tile copies: by every copy,
-  // in cache); q rows by their own task.
-  const bool check = p.non_finite != nullptr;
-  std::vector<std::atomic<bool>> kv_checked(check ? static_cast<size_t>(g.b * g.hkv * g.nkvb) : 0);
-
-  const int64_t d2 = RoundUp(g.d, 2);
-  // Outputs larger than the caches are written past them (ScaleRow).
-  const bool stream = !merge && g.b * g.sq * g.h * g.dv >= kStreamMinFloats;
-  // q blocks [qb0, qb1) (at most kGroup) of (batch, head) bh = b * H + h,
-  // kv tiles in ascending order, each fetched once for the blocks that use
-  // it. Every block still meets its own tiles in ascending order, exactly as
-  // alone, so results do not depend on how blocks are grouped.
-  auto Group = [&](int64_t bh, int64_t qb0, int64_t qb1, int worker) {
-    const int64_t h = bh % g.h;
-    const int64_t b = bh / g.h;
-    const int64_t kh = h / g.group;
-    const auto nb = static_cast<int>(qb1 - qb0);
-    Workspace& ws = Workspace::ForThisThread(g, bf16);
-    WorkerStats& st = wstats[static_cast<size_t>(worker)];
-    constexpr int64_t kDone = std::numeric_limits<int64_t>::max();
-    std::span<const mask::BlockRun> runs[kGroup];
-    size_t run_at[kGroup];
-    int64_t next[kGroup], computed[kGroup];
-    micro::TileArgs t[kGroup];
-    for (int i = 0; i < nb; ++i) {
-      const int64_t qb = qb0 + i, m = g.QRows(qb);
-      BlockState& s = ws.blocks[i];
-      if (bf16) {
-        PackTransposedBf16Pairs(Slab{&p.q, b, h, qb * g.bq, m, g.d}, s.qt_bf16.data(), g.ld_q);
-      } else {
-        PackTransposed(mk, p.q, b, h, qb * g.bq, m, s.qt.data(), g.ld_q);
-      }
-      if (check && AnyNonFinite(p.q, b, qb * g.bq, m, h)) p.non_finite->store(true);
-      for (int64_t r = 0; r < m; ++r) {
-        s.row_max[r] = kNegInf;
-        s.row_sum[r] = 0.0f;
-      }
-      t[i].queries = m;
-      t[i].d = g.d;
-      t[i].qt = s.qt.data();
-      t[i].ldq = g.ld_q;
-      t[i].pt = ws.pt.data();
-      t[i].ldp = g.ld_q;
-      t[i].scale = p.scale;
-      t[i].softcap = p.softcap;
-      t[i].scratch = ws.tile.data();
-      runs[i] = plan.map().Runs(h, qb);
-      run_at[i] = 0;
-      next[i] = runs[i].empty() ? kDone : runs[i][0].begin;
-      computed[i] = 0;
-    }
-    while (true) {
-      const int64_t kvb = *std::min_element(next, next + nb);
-      if (kvb == kDone) break;
-      const int64_t n = g.KvRows(kvb);
-      bool fetched = false;
-      KvTile kvt{};
-      for (int i = 0; i < nb; ++i) {
-        if (next[i] != kvb) continue;
-        const int64_t qb = qb0 + i, m = g.QRows(qb);
-        const mask::BlockRun& run = runs[i][run_at[i]];
-        if (kvb + 1 < run.end) {
-          next[i] = kvb + 1;
-        } else {
-          ++run_at[i];
-          next[i] = run_at[i] < runs[i].size() ? runs[i][run_at[i]].begin : kDone;
-        }
-        const BlockKind kind = plan.Refine(run.kind, b, qb, kvb);
-        if (kind == BlockKind::kEmpty) continue;
-        if (!fetched) {  // once per group: check, copy or locate the tile
-          fetched = true;
-          if (check && !kv.tile_cache() &&
-              !kv_checked[static_cast<size_t>((b * g.hkv + kh) * g.nkvb + kvb)].exchange(
-                  true, std::memory_order_relaxed)) {
-            if (AnyNonFinite(p.k, b, kvb * g.bkv, n, kh) ||
-                AnyNonFinite(p.v, b, kvb * g.bkv, n, kh)) {
-              p.non_finite->store(true);
-            }
-          }
-          bool bad = false;  // met by a per-thread copy
-          kvt = ws.kv_cache.Get(kv, mk, b, kh, kvb, check ? &bad : nullptr);
-          if (bad) p.non_finite->store(true);
-        }
-        BlockState& s = ws.blocks[i];
-        micro::TileArgs& ti = t[i];
-        ti.keys = n;
-        ti.mask = nullptr;
-        micro::KRanges key_ranges;  // of each query: P V skips the keys it may not see
-        if (kind == BlockKind::kPartial) {
-          ws.mask.Fill(plan, mk, run.kind, h, b, qb, kvb);
-          ti.mask = ws.mask.bits();
-          ti.ldm = ws.mask.ldm();
-          key_ranges = ws.mask.keys_of_query();
-        }
-        if (bf16) {
-          mk.gemm_bf16(n, RoundUp(m, micro::kVec), d2 / 2, kv.KeysBf16(b, kh, kvb), d2,
-                       s.qt_bf16.data(), g.ld_q, ti.pt, ti.ldp, nullptr, false);
-          mk.softmax_columns(ti, s.row_max.data(), s.row_sum.data(), s.alpha.data());
-        } else {
-          ti.k = kvt.k;
-          ti.ldk = kvt.ldk;
-          mk.forward_tile(ti, s.row_max.data(), s.row_sum.data(), s.alpha.data());
-        }
-        // The first tile initialises acc (a block with no tile never reads it).
-        mk.gemm_f32_ranges(m, g.dvp, n, ti.pt, 1, ti.ldp, kvt.v, kvt.ldv, s.acc.data(), g.ld_dv,
-                           s.alpha.data(), computed[i] > 0, key_ranges);
-        ++computed[i];
-        (kind == BlockKind::kFull ? st.full : st.partial) += 1;
-        st.flops += 2 * m * n * (g.d + g.dv);
-      }
-    }
-    for (int i = 0; i < nb; ++i) {
-      st.computed += computed[i];
-      st.skipped += g.nkvb - computed[i];
-      FinishRows(g, b, h, qb0 + i, g.QRows(qb0 + i), ws.blocks[i], merge, stream, out, lse);
-    }
-    if (stream) _mm_sfence();
-  };
-  // Work items are runs of `chunk` consecutive q blocks of one (batch, head),
-  // the last runs first (under causal masks they carry the most tiles), each
-  // run in ascending groups of kGroup: with per-thread kv tile copies, a
-  // thread's next group then finds all but its newest tiles in its cache (LRU
-  // order). Items stay small enough for dynamic balancing (>= 8 per worker
-  // with tile copies, >= 16 without).
-  const auto workers = static_cast<int64_t>(pool.size());
-  const int64_t tasks = g.b * g.h * g.nqb;
-  const int64_t chunk = kv.tile_cache() ? std::clamp<int64_t>(tasks / (8 * workers), 1, 32)
-                                        : std::clamp<int64_t>(tasks / (16 * workers), 1, kGroup);
-  const int64_t runs_per_head = (g.nqb + chunk - 1) / chunk;
-  pool.ParallelFor(g.b * g.h * runs_per_head, [&](int64_t item, int worker) {
-    const int64_t run_hi = g.nqb - (item % runs_per_head) * chunk;
-    for (int64_t qb0 = std::max<int64_t>(0, run_hi - chunk); qb0 < run_hi; qb0 += kGroup) {
-      Group(item / runs_per_head, qb0, std::min<int64_t>(qb0 + kGroup, run_hi), worker);
-    }
-  });
-  AddStats(wstats, stats);
+  ForwardCall(p, g, pool, merge, out, lse).Run(pool, stats);
 }
 
 }  // namespace
