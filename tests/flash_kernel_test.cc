@@ -71,6 +71,28 @@ struct Result {
   KernelStats fwd_stats, bwd_stats;
 };
 
+// Whether two runs wrote bitwise identical outputs (and gradients, where
+// they ran the backward); names the first array that differs.
+::testing::AssertionResult BitwiseEqual(const Result& a, const Result& b) {
+  const struct {
+    const char* name;
+    const std::vector<float>& x;
+    const std::vector<float>& y;
+  } arrays[] = {{"out", a.out, b.out},
+                {"lse", a.lse, b.lse},
+                {"dq", a.dq, b.dq},
+                {"dk", a.dk, b.dk},
+                {"dv", a.dv, b.dv}};
+  for (const auto& arr : arrays) {
+    if (arr.x.size() != arr.y.size() ||
+        (!arr.x.empty() &&
+         std::memcmp(arr.x.data(), arr.y.data(), arr.x.size() * sizeof(float)) != 0)) {
+      return ::testing::AssertionFailure() << arr.name << " differs";
+    }
+  }
+  return ::testing::AssertionSuccess();
+}
+
 class Problem {
  public:
   Problem(uint64_t seed, const ProblemSpec& spec) : rng_(seed), spec_(spec) {
@@ -333,8 +355,7 @@ TEST(FlashTest, WindowTileCopiesMatchReferenceOnAnyThreadCount) {
     for (int threads : {2, 3}) {
       s.threads = threads;
       const Result rn = prob.Run(s, false);
-      EXPECT_EQ(std::memcmp(r1.out.data(), rn.out.data(), r1.out.size() * 4), 0) << threads;
-      EXPECT_EQ(std::memcmp(r1.lse.data(), rn.lse.data(), r1.lse.size() * 4), 0) << threads;
+      EXPECT_TRUE(BitwiseEqual(r1, rn)) << threads;
     }
   }
 }
@@ -388,11 +409,7 @@ TEST(FlashTest, QBlockGroupsAndQTileCopiesOnAnyThreadCount) {
       for (int threads : {2, 3}) {
         s.threads = threads;
         const Result rn = prob.Run(s, true);
-        EXPECT_EQ(std::memcmp(r1.out.data(), rn.out.data(), r1.out.size() * 4), 0) << threads;
-        EXPECT_EQ(std::memcmp(r1.lse.data(), rn.lse.data(), r1.lse.size() * 4), 0) << threads;
-        EXPECT_EQ(std::memcmp(r1.dq.data(), rn.dq.data(), r1.dq.size() * 4), 0) << threads;
-        EXPECT_EQ(std::memcmp(r1.dk.data(), rn.dk.data(), r1.dk.size() * 4), 0) << threads;
-        EXPECT_EQ(std::memcmp(r1.dv.data(), rn.dv.data(), r1.dv.size() * 4), 0) << threads;
+        EXPECT_TRUE(BitwiseEqual(r1, rn)) << threads;
       }
     }
   }
@@ -438,14 +455,7 @@ TEST(FlashTest, SoftCapWithHugeLogits) {
 
 TEST(FlashTest, SegmentsWithQueryDocumentThatHasNoKeys) {
   for (KernelPath path : SupportedKernelPaths()) {
-    ProblemSpec spec;
-    spec.b = 2;
-    spec.sq = 48;
-    spec.skv = 48;
-    spec.h = 2;
-    spec.hkv = 1;
-    spec.d = 16;
-    spec.dv = 16;
+    ProblemSpec spec(2, 48, 48, 2, 1, 16, 16);
     Problem prob(300, spec);
     OwnedInputs& o = prob.owned();
     o.q_seg = Tensor(DType::kI32, {2, 48});
@@ -493,14 +503,7 @@ TEST(FlashTest, SegmentsWithQueryDocumentThatHasNoKeys) {
 TEST(FlashTest, StridedBhsdViewsAndF16Inputs) {
   for (KernelPath path : SupportedKernelPaths()) {
     for (DType dtype : {DType::kF16, DType::kBF16, DType::kF32}) {
-      ProblemSpec spec;
-      spec.b = 2;
-      spec.sq = 35;
-      spec.skv = 41;
-      spec.h = 4;
-      spec.hkv = 2;
-      spec.d = 40;
-      spec.dv = 24;
+      ProblemSpec spec(2, 35, 41, 4, 2, 40, 24);
       spec.dtype = dtype;
       spec.bhsd = true;
       Problem prob(400, spec);
@@ -571,14 +574,7 @@ TEST(FlashTest, ShiftedGlobalPositionsAndEmptyKv) {
 TEST(FlashTest, CausalSkipsEmptyTilesAndCountsFlops) {
   // S = 256, blocks 32 x 32: per (b, h) 8 x 8 tiles; causal computes the 36 on
   // or below the diagonal (8 partial diagonal ones) and skips 28.
-  ProblemSpec spec;
-  spec.b = 2;
-  spec.sq = 256;
-  spec.skv = 256;
-  spec.h = 2;
-  spec.hkv = 1;
-  spec.d = 16;
-  spec.dv = 32;
+  ProblemSpec spec(2, 256, 256, 2, 1, 16, 32);
   Problem prob(600, spec);
   for (KernelPath path : SupportedKernelPaths()) {
     RunConfig s;
@@ -607,14 +603,7 @@ TEST(FlashTest, CausalSkipsEmptyTilesAndCountsFlops) {
 TEST(FlashTest, BitwiseIdenticalAcrossThreadCounts) {
   for (KernelPath path : SupportedKernelPaths()) {
     for (DType dtype : {DType::kF32, DType::kBF16}) {
-      ProblemSpec spec;
-      spec.b = 2;
-      spec.sq = 100;
-      spec.skv = 90;
-      spec.h = 4;
-      spec.hkv = 2;
-      spec.d = 32;
-      spec.dv = 32;
+      ProblemSpec spec(2, 100, 90, 4, 2, 32, 32);
       spec.dtype = dtype;
       spec.segments = true;
       Problem prob(700, spec);
@@ -626,11 +615,7 @@ TEST(FlashTest, BitwiseIdenticalAcrossThreadCounts) {
       for (int threads : {2, 3}) {
         s.threads = threads;
         const Result rn = prob.Run(s, true);
-        EXPECT_EQ(std::memcmp(r1.out.data(), rn.out.data(), r1.out.size() * 4), 0);
-        EXPECT_EQ(std::memcmp(r1.lse.data(), rn.lse.data(), r1.lse.size() * 4), 0);
-        EXPECT_EQ(std::memcmp(r1.dq.data(), rn.dq.data(), r1.dq.size() * 4), 0);
-        EXPECT_EQ(std::memcmp(r1.dk.data(), rn.dk.data(), r1.dk.size() * 4), 0);
-        EXPECT_EQ(std::memcmp(r1.dv.data(), rn.dv.data(), r1.dv.size() * 4), 0);
+        EXPECT_TRUE(BitwiseEqual(r1, rn));
       }
     }
   }
@@ -645,14 +630,7 @@ TensorView SliceRows(const TensorView& t, int64_t lo, int64_t n) {
 }
 
 TEST(FlashTest, ForwardMergeEqualsForwardThenMergePartial) {
-  ProblemSpec spec;
-  spec.b = 2;
-  spec.sq = 70;
-  spec.skv = 90;
-  spec.h = 4;
-  spec.hkv = 2;
-  spec.d = 32;
-  spec.dv = 48;
+  ProblemSpec spec(2, 70, 90, 4, 2, 32, 48);
   Problem prob(900, spec);
   for (KernelPath path : SupportedKernelPaths()) {
     RunConfig s;
