@@ -113,34 +113,46 @@ TEST(MicroKernelTest, GemmBf16MatchesDoubleLoopsOnRoundedInputs) {
   }
 }
 
-TEST(MicroKernelTest, TransposeF32IsExact) {
+TEST(MicroKernelTest, TransposeF32IsExactAndFindsNonFinite) {
   Rng rng(7);
+  const float kNaN = std::numeric_limits<float>::quiet_NaN();
+  const float kInfF = std::numeric_limits<float>::infinity();
   for (KernelPath path : SupportedKernelPaths()) {
     const kernels::micro::MicroKernels& mk = kernels::micro::MicroKernelsFor(path);
     for (int64_t rows : {1, 15, 16, 17, 64, 70}) {
       for (int64_t cols : {1, 16, 31, 128}) {
         const int64_t lds = cols + 3, ldd = RoundUpTo16(rows) + 16;
-        const std::vector<float> src = RandomFloats(rng, static_cast<size_t>(rows * lds));
-        std::vector<float> dst(static_cast<size_t>(cols * ldd + 8), -5.0f);
-        mk.transpose_f32(rows, cols, src.data(), lds, dst.data(), ldd);
-        for (int64_t c = 0; c < cols; ++c) {
-          for (int64_t r = 0; r < ldd; ++r) {
-            const float want = r < rows ? src[r * lds + c] : 0.0f;
-            ASSERT_EQ(dst[c * ldd + r], want)
-                << KernelPathName(path) << " " << rows << "x" << cols << " r" << r << " c" << c;
-          }
+        std::vector<float> src = RandomFloats(rng, static_cast<size_t>(rows * lds));
+        // Non-finite values outside the transposed columns must not count.
+        for (int64_t r = 0; r < rows; ++r) {
+          for (int64_t c = cols; c < lds; ++c) src[static_cast<size_t>(r * lds + c)] = kNaN;
         }
-        for (size_t o = static_cast<size_t>(cols * ldd); o < dst.size(); ++o) {
-          ASSERT_EQ(dst[o], -5.0f) << "wrote past the last column";
+        for (int poison = 0; poison < 4; ++poison) {  // none, NaN, +inf, -inf
+          std::vector<float> s = src;
+          if (poison > 0) {
+            const int64_t r = (poison * 7) % rows, c = cols - 1 - (poison * 5) % cols;
+            s[static_cast<size_t>(r * lds + c)] = poison == 1 ? kNaN : poison == 2 ? kInfF : -kInfF;
+          }
+          std::vector<float> dst(static_cast<size_t>(cols * ldd + 8), -5.0f);
+          const bool bad = mk.transpose_f32(rows, cols, s.data(), lds, dst.data(), ldd);
+          EXPECT_EQ(bad, poison > 0) << KernelPathName(path) << " " << rows << "x" << cols;
+          for (int64_t c = 0; c < cols; ++c) {
+            for (int64_t r = 0; r < ldd; ++r) {
+              const float want = r < rows ? s[static_cast<size_t>(r * lds + c)] : 0.0f;
+              const float got = dst[static_cast<size_t>(c * ldd + r)];
+              ASSERT_EQ(std::memcmp(&got, &want, sizeof got), 0)
+                  << KernelPathName(path) << " " << rows << "x" << cols << " r" << r << " c" << c;
+            }
+          }
+          for (size_t o = static_cast<size_t>(cols * ldd); o < dst.size(); ++o) {
+            ASSERT_EQ(dst[o], -5.0f) << "wrote past the last column";
+          }
         }
       }
     }
   }
 }
 
-// copy_rows_f32 copies exactly (bit patterns, NaN payloads included), zero
-// pads to ldd and reports a NaN or an infinity wherever it sits (first,
-// middle or last row; a column in the vector tail), never one beyond cols.
 TEST(MicroKernelTest, CopyRowsF32CopiesPadsAndFindsNonFinite) {
   Rng rng(6);
   const float kNaN = std::numeric_limits<float>::quiet_NaN();

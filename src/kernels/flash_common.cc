@@ -295,19 +295,20 @@ KvTile KvTileCache::Get(const KvRows& kv, const micro::MicroKernels& mk, int64_t
   return {k, g.ld_d, k + k_floats, g.ld_dv};
 }
 
-void PackTransposed(const micro::MicroKernels& mk, const TensorView& t, int64_t b, int64_t head,
+bool PackTransposed(const micro::MicroKernels& mk, const TensorView& t, int64_t b, int64_t head,
                     int64_t r0, int64_t rows, float* dst, int64_t ld) {
   const int64_t cols = t.shape[3];
   if (t.dtype == DType::kF32 && t.stride[3] == 1) {
-    mk.transpose_f32(rows, cols, static_cast<const float*>(t.data) + t.Offset(b, r0, head, 0),
-                     t.stride[1], dst, ld);
+    return mk.transpose_f32(rows, cols,
+                            static_cast<const float*>(t.data) + t.Offset(b, r0, head, 0),
+                            t.stride[1], dst, ld);
   } else {
     // Rows widened to f32 first, then the micro-kernels' transpose: the
     // element-wise transposing copy costs ~4 % of a bf16 forward.
     thread_local AlignedBuffer<float> rows_f32;
     Grow(rows_f32, rows * cols);
     PackRowsF32(Slab{&t, b, head, r0, rows, cols}, rows_f32.data(), cols, rows);
-    mk.transpose_f32(rows, cols, rows_f32.data(), cols, dst, ld);
+    return mk.transpose_f32(rows, cols, rows_f32.data(), cols, dst, ld);
   }
 }
 

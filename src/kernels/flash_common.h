@@ -230,8 +230,10 @@ class KvTileCache {
 
 // Q^T (or dO^T) of rows [r0, r0 + rows) of head `head` of batch b of a
 // [B, S, H, C] view: dst[c * ld + r] for c < C, zero for r >= rows. f32 views
-// with unit inner stride go through the micro-kernels' transpose.
-void PackTransposed(const micro::MicroKernels& mk, const TensorView& t, int64_t b, int64_t head,
+// with unit inner stride go through the micro-kernels' transpose, others are
+// widened to f32 rows first. Returns whether a packed value is a NaN or an
+// infinity (widening keeps both), the check FlashParams::non_finite asks for.
+bool PackTransposed(const micro::MicroKernels& mk, const TensorView& t, int64_t b, int64_t head,
                     int64_t r0, int64_t rows, float* dst, int64_t ld);
 
 // Grows a per-thread scratch buffer to at least n elements.

@@ -240,12 +240,14 @@ class ForwardCall {
   // points its walk at its first kv tile.
   void Begin(Workspace& ws, int64_t b, int64_t h, int64_t qb, BlockState& s, Walk& w) {
     const int64_t m = g_.QRows(qb);
+    bool bad = false;  // a NaN or inf in the block's q rows
     if (bf16_) {
       PackTransposedBf16Pairs(Slab{&p_.q, b, h, qb * g_.bq, m, g_.d}, s.qt_bf16.data(), g_.ld_q);
+      bad = check_ && AnyNonFinite(p_.q, b, qb * g_.bq, m, h);
     } else {
-      PackTransposed(mk_, p_.q, b, h, qb * g_.bq, m, s.qt.data(), g_.ld_q);
+      bad = PackTransposed(mk_, p_.q, b, h, qb * g_.bq, m, s.qt.data(), g_.ld_q);
     }
-    if (check_ && AnyNonFinite(p_.q, b, qb * g_.bq, m, h)) p_.non_finite->store(true);
+    if (check_ && bad) p_.non_finite->store(true);
     for (int64_t r = 0; r < m; ++r) {
       s.row_max[r] = kNegInf;
       s.row_sum[r] = 0.0f;

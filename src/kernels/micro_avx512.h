@@ -189,7 +189,7 @@ inline void GemmF32Avx512(int64_t m, int64_t n, int64_t k, const float* a, int64
 
 // Transposed-layout tile kernels (micro_fused_avx512.cc).
 namespace avx512 {
-void TransposeF32(int64_t rows, int64_t cols, const float* src, int64_t lds, float* dst,
+bool TransposeF32(int64_t rows, int64_t cols, const float* src, int64_t lds, float* dst,
                   int64_t ldd);
 void MaskBits(int64_t queries, int64_t keys, const uint8_t* bytes, int64_t ldb, uint16_t* bits,
               int64_t ldm, int32_t* key_lo, int32_t* key_hi, int32_t* query_lo, int32_t* query_hi);

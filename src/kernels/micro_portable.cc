@@ -61,13 +61,24 @@ void GemmF32Ranges(int64_t m, int64_t n, int64_t k, const float* a, int64_t a_rs
   }
 }
 
-void TransposeF32(int64_t rows, int64_t cols, const float* src, int64_t lds, float* dst,
+// 1 if x is a NaN or an infinity: |bits| >= the infinity pattern (exponent
+// all ones), branch-free so the copy loops stay simple.
+inline uint32_t NonFinite(float x) {
+  return static_cast<uint32_t>((std::bit_cast<uint32_t>(x) & 0x7FFFFFFFu) >= 0x7F800000u);
+}
+
+bool TransposeF32(int64_t rows, int64_t cols, const float* src, int64_t lds, float* dst,
                   int64_t ldd) {
+  uint32_t bad = 0;
   for (int64_t c = 0; c < cols; ++c) {
     float* out = dst + c * ldd;
-    for (int64_t r = 0; r < rows; ++r) out[r] = src[r * lds + c];
+    for (int64_t r = 0; r < rows; ++r) {
+      out[r] = src[r * lds + c];
+      bad |= NonFinite(out[r]);
+    }
     std::fill(out + rows, out + ldd, 0.0f);
   }
+  return bad != 0;
 }
 
 void MaskBits(int64_t queries, int64_t keys, const uint8_t* bytes, int64_t ldb, uint16_t* bits,
@@ -150,13 +161,12 @@ void BackwardTile(const BackwardTileArgs& b) {
 
 bool CopyRowsF32(const float* src, int64_t lds, int64_t rows, int64_t cols, float* dst,
                  int64_t ldd) {
-  // |bits| >= the infinity pattern: exponent all ones (branch-free).
   uint32_t bad = 0;
   for (int64_t r = 0; r < rows; ++r) {
     const float* s = src + r * lds;
     float* d = dst + r * ldd;
     for (int64_t c = 0; c < cols; ++c) {
-      bad |= static_cast<uint32_t>((std::bit_cast<uint32_t>(s[c]) & 0x7FFFFFFFu) >= 0x7F800000u);
+      bad |= NonFinite(s[c]);
       d[c] = s[c];
     }
     for (int64_t c = cols; c < ldd; ++c) d[c] = 0.0f;
