@@ -9,7 +9,9 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
+#include <filesystem>
 #include <limits>
 #include <optional>
 #include <string>
@@ -637,6 +639,47 @@ TEST(PositionsTest, StridedPositionsWithWindow) {
   opt.mask = Mask::Local(20, 0) | Mask::ChunkedCausal(32);
   opt.block_sizes = {16, 16};
   EXPECT_EQ(CheckF32(in, opt, SupportedKernelPaths()), "");
+}
+
+// Threads of this process: one entry each in /proc/self/task (Linux).
+int ProcessThreads() {
+  int n = 0;
+  for ([[maybe_unused]] const auto& e : std::filesystem::directory_iterator("/proc/self/task")) ++n;
+  return n;
+}
+
+// Waits up to 5 s for the thread count to reach `want` (a joined thread can
+// still be listed for a moment after join returns); returns the last count.
+int WaitForThreads(int want) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  int n = ProcessThreads();
+  while (n != want && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    n = ProcessThreads();
+  }
+  return n;
+}
+
+TEST(ReleaseCachedThreadsTest, EndsTheKeptWorkersAndLaterCallsStartNewOnes) {
+  ReleaseCachedThreads();  // pools earlier tests in this process kept
+  const int base = WaitForThreads(ProcessThreads());
+  Rng rng(21);
+  const OwnedInputs in = RandomInputs(rng, ProblemSpec{1, 64, 64, 4, 2, 32, 32});
+  AttentionOptions opt;
+  opt.mask = Mask::Causal();
+  opt.block_sizes = {16, 16};
+  opt.num_threads = 4;  // the caller is worker 0: the pool has 3 threads of its own
+  const ApiResult first = RunAttention(in, opt, nullptr);
+  EXPECT_EQ(WaitForThreads(base + 3), base + 3) << "the pool is kept between calls";
+  ReleaseCachedThreads();
+  EXPECT_EQ(WaitForThreads(base), base) << "ReleaseCachedThreads left threads running";
+  const ApiResult second = RunAttention(in, opt, nullptr);
+  EXPECT_EQ(first.out, second.out);  // a fresh pool computes the same, bit for bit
+  EXPECT_EQ(first.lse, second.lse);
+  EXPECT_EQ(WaitForThreads(base + 3), base + 3);
+  ReleaseCachedThreads();
+  ReleaseCachedThreads();  // nothing kept: a no-op
+  EXPECT_EQ(WaitForThreads(base), base);
 }
 
 }  // namespace

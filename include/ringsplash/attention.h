@@ -52,7 +52,8 @@ struct AttentionOptions {
   // 0: all hardware threads; at most 1024. Worker threads are kept between
   // calls (a pool per thread count and concurrent caller), each with a few MiB
   // of scratch sized to its L2 cache (packed q blocks, copies of the kv tiles
-  // and q tiles it used last), so repeated calls allocate nothing per tile.
+  // and q tiles it used last), so repeated calls allocate nothing per tile;
+  // ReleaseCachedThreads() ends them.
   int num_threads = 0;
   KernelPath kernel_path = KernelPath::kAuto;
 };
@@ -95,6 +96,13 @@ void AttentionForward(const AttentionInputs& in, const AttentionOptions& opt, Te
 void AttentionBackward(const AttentionInputs& in, const AttentionOptions& opt, TensorView out,
                        TensorView lse, TensorView dout, TensorView dq, TensorView dk, TensorView dv,
                        TensorView dsinks, KernelStats* stats = nullptr);
+
+// Ends the worker threads AttentionForward/Backward keep between calls, and
+// with them their scratch (a few MiB each); the next call starts new ones.
+// Workers of calls running meanwhile are not touched (their pools are kept
+// when those calls end). The calling thread is worker 0 of its own calls and
+// keeps its scratch until it exits. Ring calls start their workers per call.
+void ReleaseCachedThreads();
 
 // Validates inputs and options as both entry points do (exposed for the ring
 // and the CLI so every layer reports the same messages). Returns nothing; throws.

@@ -70,6 +70,16 @@ class PoolCache {
     idle_[num_threads].push_back(std::move(pool));
   }
 
+  // Destroys the idle pools (joining their threads) outside the lock, so
+  // concurrent calls can lease and return pools meanwhile.
+  void Clear() {
+    std::map<int, std::vector<std::unique_ptr<ThreadPool>>> idle;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      idle.swap(idle_);
+    }
+  }
+
  private:
   std::mutex mu_;
   std::map<int, std::vector<std::unique_ptr<ThreadPool>>> idle_;
@@ -204,6 +214,8 @@ void ForwardPoison(const AttentionInputs& in, const AttentionOptions& opt, const
 }
 
 }  // namespace
+
+void ReleaseCachedThreads() { PoolCache::Get().Clear(); }
 
 void AttentionForward(const AttentionInputs& in, const AttentionOptions& opt, TensorView out,
                       TensorView lse, KernelStats* stats) {
