@@ -59,6 +59,7 @@ int RingOneInput(const uint8_t* data, size_t size) {
   run.options.layout = layouts[(config / kMaxRanks) % 3];
   SplitRing(static_cast<int>(config % kMaxRanks) + 1, p.in.q.shape[1], p.in.k.shape[1], &run);
   run.options.attention = p.opt;
+  run.options.fault = FaultSpec{};  // no injected failure, whatever RINGSPLASH_FAULT says
   const bool backward = p.backward && !p.backward_verdict.invalid && !p.backward_verdict.uncertain;
 
   std::string msg;
@@ -72,12 +73,13 @@ int RingOneInput(const uint8_t* data, size_t size) {
         }
       },
       &msg);
-  FuzzCheck(!threw, "ring (", run.num_ranks, " ranks, ", LayoutName(run.options.layout),
-            ") rejected a call the single-device entry points accept: \"", msg, "\"; ",
+  const std::string ring =
+      "ring of " + std::to_string(run.num_ranks) + " (" + LayoutName(run.options.layout) + ")";
+  FuzzCheck(!threw, ring, " rejected a call the single-device entry points accept: \"", msg, "\"; ",
             p.Describe());
   const ReferenceCheck check(p);
-  check.Forward("ring forward");
-  if (backward) check.Backward("ring backward");
+  check.Forward((ring + " forward").c_str());
+  if (backward) check.Backward((ring + " backward").c_str());
   return 0;
 }
 

@@ -3,7 +3,8 @@
 # clang-14 + AddressSanitizer + UBSan — in the ASan build directory of
 # scripts/ci_sanitizers.sh, configured the same way, so after the ASan stage
 # only the fuzzers themselves are compiled — and runs each for FUZZ_SECONDS seconds
-# (default 60), starting from the seed corpus (fuzz/corpus/<target>) and the
+# (default 60), starting from the seed corpus (fuzz/corpus/<target>; the ring
+# target also from fuzz/corpus/attention, whose problems it decodes) and the
 # saved crash inputs (fuzz/regressions/<target>). New interesting inputs go to
 # a scratch directory, never into the repository.
 #

@@ -419,13 +419,7 @@ TEST(FlashTest, SoftCapWithHugeLogits) {
   uint64_t seed = 200;
   for (KernelPath path : SupportedKernelPaths()) {
     for (DType dtype : {DType::kF32, DType::kBF16}) {
-      ProblemSpec spec;
-      spec.sq = 40;
-      spec.skv = 50;
-      spec.h = 2;
-      spec.hkv = 1;
-      spec.d = 64;
-      spec.dv = 64;
+      ProblemSpec spec(1, 40, 50, 2, 1, 64, 64);
       spec.dtype = dtype;
       spec.qk_range = 12.0;  // |s| up to 144^2 * 64 / 8: logits ~1e3 before the cap
       Problem prob(++seed, spec);
@@ -531,13 +525,7 @@ TEST(FlashTest, StridedBhsdViewsAndF16Inputs) {
 TEST(FlashTest, ShiftedGlobalPositionsAndEmptyKv) {
   // A ring step: q holds global rows 64..95, kv rows 0..47 under a causal
   // mask with a window, so some q rows see nothing.
-  ProblemSpec spec;
-  spec.sq = 32;
-  spec.skv = 48;
-  spec.h = 2;
-  spec.hkv = 2;
-  spec.d = 16;
-  spec.dv = 16;
+  ProblemSpec spec(1, 32, 48, 2, 2, 16, 16);
   Problem prob(500, spec);
   prob.owned().q_pos.resize(32);
   prob.owned().kv_pos.resize(48);
@@ -666,13 +654,7 @@ TEST(FlashTest, ForwardMergeEqualsForwardThenMergePartial) {
 }
 
 TEST(FlashTest, BlockSizesChangeResultsOnlyByRounding) {
-  ProblemSpec spec;
-  spec.sq = 130;
-  spec.skv = 150;
-  spec.h = 2;
-  spec.hkv = 1;
-  spec.d = 64;
-  spec.dv = 64;
+  ProblemSpec spec(1, 130, 150, 2, 1, 64, 64);
   spec.segments = true;
   Problem prob(800, spec);
   for (KernelPath path : SupportedKernelPaths()) {

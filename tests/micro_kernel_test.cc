@@ -113,6 +113,10 @@ TEST(MicroKernelTest, GemmBf16MatchesDoubleLoopsOnRoundedInputs) {
   }
 }
 
+// transpose_f32 transposes exactly (bit patterns), zero pads rows to ldd,
+// writes nothing past the last column and reports a NaN or an infinity
+// wherever it sits — including the last row, in the partial last 16-row
+// block — but never one beyond cols.
 TEST(MicroKernelTest, TransposeF32IsExactAndFindsNonFinite) {
   Rng rng(7);
   const float kNaN = std::numeric_limits<float>::quiet_NaN();
@@ -130,7 +134,9 @@ TEST(MicroKernelTest, TransposeF32IsExactAndFindsNonFinite) {
         for (int poison = 0; poison < 4; ++poison) {  // none, NaN, +inf, -inf
           std::vector<float> s = src;
           if (poison > 0) {
-            const int64_t r = (poison * 7) % rows, c = cols - 1 - (poison * 5) % cols;
+            // Rows: the last one (partial last 16-row block), then two inside.
+            const int64_t r = poison == 1 ? rows - 1 : (poison * 7) % rows;
+            const int64_t c = cols - 1 - (poison * 5) % cols;
             s[static_cast<size_t>(r * lds + c)] = poison == 1 ? kNaN : poison == 2 ? kInfF : -kInfF;
           }
           std::vector<float> dst(static_cast<size_t>(cols * ldd + 8), -5.0f);
@@ -153,6 +159,9 @@ TEST(MicroKernelTest, TransposeF32IsExactAndFindsNonFinite) {
   }
 }
 
+// copy_rows_f32 copies exactly (bit patterns, NaN payloads included), zero
+// pads to ldd and reports a NaN or an infinity wherever it sits (first,
+// middle or last row; a column in the vector tail), never one beyond cols.
 TEST(MicroKernelTest, CopyRowsF32CopiesPadsAndFindsNonFinite) {
   Rng rng(6);
   const float kNaN = std::numeric_limits<float>::quiet_NaN();

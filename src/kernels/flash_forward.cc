@@ -137,7 +137,8 @@ void FinishRows(const Geometry& g, int64_t b, int64_t h, int64_t qb, int64_t m, 
 }
 
 // One call's task loop: what its tasks share (read-only, but for the
-// non-finite flag and each worker's own counters).
+// non-finite flag, the claims on kv tiles to check and each worker's own
+// counters).
 class ForwardCall {
  public:
   ForwardCall(const FlashParams& p, const Geometry& g, ThreadPool& pool, bool merge, float* out,

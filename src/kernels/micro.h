@@ -63,7 +63,9 @@ using GemmBf16Fn = void (*)(int64_t m, int64_t n, int64_t k2, const uint16_t* a,
 // dst[c * ldd + r] = src[r * lds + c] for r < rows, c < cols, and 0 for
 // rows <= r < ldd (ldd >= RoundUp(rows, kVec)): packs a Q (or dO) block of
 // f32 rows as Q^T. Returns whether a transposed value is a NaN or an
-// infinity, so the forward's check of its q rows needs no second pass.
+// infinity, so the forward's check of its q rows needs no second pass (on
+// the f32 score paths; the bf16 score path packs q otherwise and checks it
+// separately).
 using TransposeF32Fn = bool (*)(int64_t rows, int64_t cols, const float* src, int64_t lds,
                                 float* dst, int64_t ldd);
 

@@ -233,6 +233,31 @@ TEST(NumericsPoison, DependentGradientsAreNonFinite) {
   CheckAllPoisonCases(PoisonCheck::kPropagation, Outputs::kBackward);
 }
 
+// 16-bit inputs reach the forward's NaN/Inf check along other roads: widened
+// to f32 before the Q^T transpose (which flags them) on the f32 kernel paths,
+// read as bf16 pairs and checked separately on avx512_bf16. NaN and inf stay
+// what they are in bf16 and f16, so the same rows must come out non-finite.
+TEST(NumericsPoison, DependentForwardRowsAreNonFiniteWith16BitInputs) {
+  for (const PoisonCase& c : PoisonCases()) {
+    Tensor dout;
+    const OwnedInputs f32 = PoisonProblem(c, &dout);
+    for (DType dtype : {DType::kBF16, DType::kF16}) {
+      const OwnedInputs in = ConvertInputs(f32, dtype);
+      for (KernelPath path : SupportedKernelPaths()) {
+        AttentionOptions opt;
+        opt.mask = c.mask;
+        opt.kernel_path = path;
+        opt.block_sizes = {16, 32};
+        opt.num_threads = 2;
+        const ApiResult api = RunAttention(in, opt, nullptr);
+        ExpectPoisonRule(in, opt, dout, api,
+                         c.name + ", " + DTypeName(dtype) + ", path " + KernelPathName(path),
+                         PoisonCheck::kPropagation, Outputs::kForward);
+      }
+    }
+  }
+}
+
 // Sinks are parameters, not data: a non-finite sink is refused up front with
 // an Error naming sinks[h] (validate.cc) instead of poisoning a whole head.
 TEST(NumericsPoison, NonFiniteSinksAreRefused) {
