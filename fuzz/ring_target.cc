@@ -2,7 +2,8 @@
 // on the same random problems as the attention target (DecodeProblem), over
 // 1-4 ranks and every layout. The single-device target owns argument
 // validation; this one takes the problems the single-device contract calls
-// valid and whose lengths split over the ranks, and checks that
+// valid (explicit positions replaced by the ring's own, 0..S-1), splits them
+// over as many ranks as their lengths allow, and checks that
 //   - the ring accepts them (only explicit positions and lengths that do not
 //     split are ring-specific errors, and neither is generated here);
 //   - out/lse (and, when the problem has a valid backward, dq/dk/dv/dsinks)
@@ -22,6 +23,7 @@
 #include "fuzz/attention_problem.h"
 #include "fuzz/fuzz_targets.h"
 #include "fuzz/fuzz_util.h"
+#include "ringsplash/mask.h"
 #include "ringsplash/ring.h"
 
 namespace ringsplash::fuzz {
@@ -50,7 +52,18 @@ int RingOneInput(const uint8_t* data, size_t size) {
   ByteReader reader(data, size);
   FuzzProblem p = DecodeProblem(reader);
   if (p.forward.invalid || p.forward.uncertain) return 0;
-  if (!p.in.q_positions.empty() || !p.in.kv_positions.empty()) return 0;
+  if (!p.in.q_positions.empty() || !p.in.kv_positions.empty()) {
+    // The ring derives global positions from the layout (0..S-1): the
+    // problem is run with those instead, unless a dense mask's extent only
+    // covered the explicit ones (the one way dropping them can make it
+    // invalid).
+    const Mask& m = p.opt.mask;
+    if (m.has_dense() && (p.in.q.shape[1] > m.dense_sq() || p.in.k.shape[1] > m.dense_skv())) {
+      return 0;
+    }
+    p.in.q_positions.clear();
+    p.in.kv_positions.clear();
+  }
   const auto config = static_cast<uint32_t>(
       reader.remaining() > 0 ? reader.U8()
                              : Fnv1a(std::string_view(reinterpret_cast<const char*>(data), size)));
