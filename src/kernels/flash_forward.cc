@@ -156,6 +156,7 @@ class ForwardCall {
         stream_(!merge && g.b * g.sq * g.h * g.dv >= kStreamMinFloats),
         out_(out),
         lse_(lse),
+        pool_(pool),
         wstats_(static_cast<size_t>(pool.size())) {}
 
   // Work items are runs of `chunk` consecutive q blocks of one (batch, head),
@@ -164,13 +165,13 @@ class ForwardCall {
   // thread's next group then finds all but its newest tiles in its cache (LRU
   // order). Items stay small enough for dynamic balancing (>= 8 per worker
   // with tile copies, >= 16 without).
-  void Run(ThreadPool& pool, KernelStats* stats) {
-    const auto workers = static_cast<int64_t>(pool.size());
+  void Run(KernelStats* stats) {
+    const auto workers = static_cast<int64_t>(pool_.size());
     const int64_t tasks = g_.b * g_.h * g_.nqb;
     const int64_t chunk = kv_.tile_cache() ? std::clamp<int64_t>(tasks / (8 * workers), 1, 32)
                                            : std::clamp<int64_t>(tasks / (16 * workers), 1, kGroup);
     const int64_t runs_per_head = (g_.nqb + chunk - 1) / chunk;
-    pool.ParallelFor(g_.b * g_.h * runs_per_head, [&](int64_t item, int worker) {
+    pool_.ParallelFor(g_.b * g_.h * runs_per_head, [&](int64_t item, int worker) {
       const int64_t run_hi = g_.nqb - (item % runs_per_head) * chunk;
       for (int64_t qb0 = std::max<int64_t>(0, run_hi - chunk); qb0 < run_hi; qb0 += kGroup) {
         Group(item / runs_per_head, qb0, std::min<int64_t>(qb0 + kGroup, run_hi), worker);
@@ -201,22 +202,18 @@ class ForwardCall {
     Workspace& ws = Workspace::ForThisThread(g_, bf16_);
     WorkerStats& st = wstats_[static_cast<size_t>(worker)];
     Walk walks[kGroup];
-    int64_t next[kGroup];
-    for (int i = 0; i < nb; ++i) {
-      Begin(ws, b, h, qb0 + i, ws.blocks[i], walks[i]);
-      next[i] = walks[i].next;
-    }
+    for (int i = 0; i < nb; ++i) Begin(ws, b, h, qb0 + i, ws.blocks[i], walks[i]);
     while (true) {
-      const int64_t kvb = *std::min_element(next, next + nb);
+      int64_t kvb = kDone;  // the lowest tile any block still needs
+      for (int i = 0; i < nb; ++i) kvb = std::min(kvb, walks[i].next);
       if (kvb == kDone) break;
       bool fetched = false;
       KvTile kvt{};
       for (int i = 0; i < nb; ++i) {
-        if (next[i] != kvb) continue;
         Walk& w = walks[i];
+        if (w.next != kvb) continue;
         const mask::BlockRun& run = w.runs[w.run_at];
         Advance(w, kvb);
-        next[i] = w.next;
         const int64_t qb = qb0 + i;
         const BlockKind kind = plan_.Refine(run.kind, b, qb, kvb);
         if (kind == BlockKind::kEmpty) continue;
@@ -345,6 +342,7 @@ class ForwardCall {
   const bool stream_;  // outputs larger than the caches are written past them (ScaleRow)
   float* out_;
   float* lse_;
+  ThreadPool& pool_;
   std::vector<WorkerStats> wstats_;
 };
 
@@ -358,7 +356,7 @@ void Forward(const FlashParams& p, ThreadPool& pool, bool merge, float* out, flo
     for (int64_t i = 0; i < g.b * g.h * g.sq; ++i) lse[i] = kNegInf;
     return;
   }
-  ForwardCall(p, g, pool, merge, out, lse).Run(pool, stats);
+  ForwardCall(p, g, pool, merge, out, lse).Run(stats);
 }
 
 }  // namespace

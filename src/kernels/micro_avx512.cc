@@ -28,8 +28,7 @@ constexpr int64_t kPrefetchRows = 8;
 
 bool CopyRowsF32(const float* src, int64_t lds, int64_t rows, int64_t cols, float* dst,
                  int64_t ldd) {
-  const __m512i magnitude = _mm512_set1_epi32(0x7FFFFFFF);
-  __m512i worst = _mm512_setzero_si512();  // max |bits|: >= 0x7F800000 iff NaN or inf
+  NonFiniteCheck check;
   for (int64_t r = 0; r < rows; ++r) {
     if (r + kPrefetchRows < rows) {
       const char* ahead = reinterpret_cast<const char*>(src + (r + kPrefetchRows) * lds);
@@ -45,13 +44,13 @@ bool CopyRowsF32(const float* src, int64_t lds, int64_t rows, int64_t cols, floa
                            : left <= 0 ? static_cast<__mmask16>(0)
                                        : static_cast<__mmask16>((1u << left) - 1u);
       const __m512i v = _mm512_maskz_loadu_epi32(in, s + c);
-      worst = _mm512_max_epi32(worst, _mm512_and_si512(v, magnitude));
+      check.Add(v);
       const __mmask16 out = ldd - c >= 16 ? static_cast<__mmask16>(0xFFFF)
                                           : static_cast<__mmask16>((1u << (ldd - c)) - 1u);
       _mm512_mask_storeu_epi32(d + c, out, v);
     }
   }
-  return _mm512_reduce_max_epi32(worst) >= 0x7F800000;
+  return check.Any();
 }
 
 }  // namespace

@@ -187,6 +187,21 @@ inline void GemmF32Avx512(int64_t m, int64_t n, int64_t k, const float* a, int64
   GemmF32RangesAvx512(m, n, k, a, a_rs, a_cs, b, ldb, c, ldc, row_scale, accumulate, KRanges());
 }
 
+// Running NaN/Inf check over loaded f32 vectors (the copies and transposes
+// that pack inputs): the max of |bits| reaches the infinity pattern
+// (exponent all ones) iff some value was a NaN or an infinity.
+class NonFiniteCheck {
+ public:
+  RINGSPLASH_INLINE void Add(__m512i bits) {
+    worst_ = _mm512_max_epi32(worst_, _mm512_and_si512(bits, _mm512_set1_epi32(0x7FFFFFFF)));
+  }
+  RINGSPLASH_INLINE void Add(__m512 v) { Add(_mm512_castps_si512(v)); }
+  bool Any() const { return _mm512_reduce_max_epi32(worst_) >= 0x7F800000; }
+
+ private:
+  __m512i worst_ = _mm512_setzero_si512();
+};
+
 // Transposed-layout tile kernels (micro_fused_avx512.cc).
 namespace avx512 {
 bool TransposeF32(int64_t rows, int64_t cols, const float* src, int64_t lds, float* dst,

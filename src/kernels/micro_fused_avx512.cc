@@ -368,11 +368,10 @@ void Probs(const TileArgs& t, int64_t mp, const float* lse2, const uint16_t* fin
 
 // 16 x 16 blocks transposed in registers: unpack pairs of rows, then pairs
 // of 64-bit pairs, then two rounds of 128-bit lane shuffles. The loaded rows
-// are also checked for NaN/Inf (max of |bits|, as CopyRowsF32).
+// are also checked for NaN/Inf (NonFiniteCheck, as in CopyRowsF32).
 bool TransposeF32(int64_t rows, int64_t cols, const float* src, int64_t lds, float* dst,
                   int64_t ldd) {
-  const __m512i magnitude = _mm512_set1_epi32(0x7FFFFFFF);
-  __m512i worst = _mm512_setzero_si512();  // >= 0x7F800000 iff NaN or inf
+  NonFiniteCheck check;
   for (int64_t r0 = 0; r0 < rows; r0 += 16) {
     const int nr = static_cast<int>(std::min<int64_t>(16, rows - r0));
     for (int64_t c0 = 0; c0 < cols; c0 += 16) {
@@ -382,7 +381,7 @@ bool TransposeF32(int64_t rows, int64_t cols, const float* src, int64_t lds, flo
       RINGSPLASH_UNROLL
       for (int i = 0; i < 16; ++i) {
         r[i] = i < nr ? _mm512_maskz_loadu_ps(in, src + (r0 + i) * lds + c0) : _mm512_setzero_ps();
-        worst = _mm512_max_epi32(worst, _mm512_and_si512(_mm512_castps_si512(r[i]), magnitude));
+        check.Add(r[i]);
       }
       RINGSPLASH_UNROLL
       for (int i = 0; i < 8; ++i) {
@@ -420,7 +419,7 @@ bool TransposeF32(int64_t rows, int64_t cols, const float* src, int64_t lds, flo
   for (int64_t c = 0; c < cols; ++c) {
     for (int64_t r = done; r < ldd; ++r) dst[c * ldd + r] = 0.0f;
   }
-  return _mm512_reduce_max_epi32(worst) >= 0x7F800000;
+  return check.Any();
 }
 
 void MaskBits(int64_t queries, int64_t keys, const uint8_t* bytes, int64_t ldb, uint16_t* bits,
