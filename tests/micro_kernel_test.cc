@@ -113,32 +113,44 @@ TEST(MicroKernelTest, GemmBf16MatchesDoubleLoopsOnRoundedInputs) {
   }
 }
 
+// rows x lds random floats with a NaN in every column >= cols: what a
+// NaN/Inf check of the first cols columns must not count.
+std::vector<float> RowsWithNaNTail(Rng& rng, int64_t rows, int64_t cols, int64_t lds) {
+  std::vector<float> src = RandomFloats(rng, static_cast<size_t>(rows * lds));
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = cols; c < lds; ++c) {
+      src[static_cast<size_t>(r * lds + c)] = std::numeric_limits<float>::quiet_NaN();
+    }
+  }
+  return src;
+}
+
+// `src` with element (r, c) replaced by poison 1..3: NaN, +inf, -inf (0:
+// unchanged).
+std::vector<float> Poisoned(std::vector<float> src, int64_t lds, int poison, int64_t r, int64_t c) {
+  const float inf = std::numeric_limits<float>::infinity();
+  const float values[] = {0.0f, std::numeric_limits<float>::quiet_NaN(), inf, -inf};
+  if (poison > 0) src[static_cast<size_t>(r * lds + c)] = values[poison];
+  return src;
+}
+
 // transpose_f32 transposes exactly (bit patterns), zero pads rows to ldd,
 // writes nothing past the last column and reports a NaN or an infinity
 // wherever it sits — including the last row, in the partial last 16-row
 // block — but never one beyond cols.
 TEST(MicroKernelTest, TransposeF32IsExactAndFindsNonFinite) {
   Rng rng(7);
-  const float kNaN = std::numeric_limits<float>::quiet_NaN();
-  const float kInfF = std::numeric_limits<float>::infinity();
   for (KernelPath path : SupportedKernelPaths()) {
     const kernels::micro::MicroKernels& mk = kernels::micro::MicroKernelsFor(path);
     for (int64_t rows : {1, 15, 16, 17, 64, 70}) {
       for (int64_t cols : {1, 16, 31, 128}) {
         const int64_t lds = cols + 3, ldd = RoundUpTo16(rows) + 16;
-        std::vector<float> src = RandomFloats(rng, static_cast<size_t>(rows * lds));
-        // Non-finite values outside the transposed columns must not count.
-        for (int64_t r = 0; r < rows; ++r) {
-          for (int64_t c = cols; c < lds; ++c) src[static_cast<size_t>(r * lds + c)] = kNaN;
-        }
+        const std::vector<float> src = RowsWithNaNTail(rng, rows, cols, lds);
         for (int poison = 0; poison < 4; ++poison) {  // none, NaN, +inf, -inf
-          std::vector<float> s = src;
-          if (poison > 0) {
-            // Rows: the last one (partial last 16-row block), then two inside.
-            const int64_t r = poison == 1 ? rows - 1 : (poison * 7) % rows;
-            const int64_t c = cols - 1 - (poison * 5) % cols;
-            s[static_cast<size_t>(r * lds + c)] = poison == 1 ? kNaN : poison == 2 ? kInfF : -kInfF;
-          }
+          // Rows: the last one (partial last 16-row block), then two inside.
+          const int64_t r = poison == 1 ? rows - 1 : (poison * 7) % rows;
+          const std::vector<float> s =
+              Poisoned(src, lds, poison, r, cols - 1 - (poison * 5) % cols);
           std::vector<float> dst(static_cast<size_t>(cols * ldd + 8), -5.0f);
           const bool bad = mk.transpose_f32(rows, cols, s.data(), lds, dst.data(), ldd);
           EXPECT_EQ(bad, poison > 0) << KernelPathName(path) << " " << rows << "x" << cols;
@@ -164,24 +176,15 @@ TEST(MicroKernelTest, TransposeF32IsExactAndFindsNonFinite) {
 // middle or last row; a column in the vector tail), never one beyond cols.
 TEST(MicroKernelTest, CopyRowsF32CopiesPadsAndFindsNonFinite) {
   Rng rng(6);
-  const float kNaN = std::numeric_limits<float>::quiet_NaN();
-  const float kInfF = std::numeric_limits<float>::infinity();
   for (KernelPath path : SupportedKernelPaths()) {
     const kernels::micro::MicroKernels& mk = kernels::micro::MicroKernelsFor(path);
     for (int64_t rows : {1, 7, 20}) {
       for (int64_t cols : {1, 16, 37, 128}) {
         const int64_t lds = 3 * cols + 5, ldd = RoundUpTo16(cols) + 16;
-        std::vector<float> src = RandomFloats(rng, static_cast<size_t>(rows * lds));
-        // Non-finite values outside the copied columns must not count.
-        for (int64_t r = 0; r < rows; ++r) {
-          for (int64_t c = cols; c < lds; ++c) src[static_cast<size_t>(r * lds + c)] = kNaN;
-        }
+        const std::vector<float> src = RowsWithNaNTail(rng, rows, cols, lds);
         for (int poison = 0; poison < 4; ++poison) {  // none, NaN, +inf, -inf
-          std::vector<float> s = src;
-          if (poison > 0) {
-            const int64_t r = (poison * 5) % rows, c = cols - 1 - (poison * 3) % cols;
-            s[static_cast<size_t>(r * lds + c)] = poison == 1 ? kNaN : poison == 2 ? kInfF : -kInfF;
-          }
+          const std::vector<float> s =
+              Poisoned(src, lds, poison, (poison * 5) % rows, cols - 1 - (poison * 3) % cols);
           std::vector<float> dst(static_cast<size_t>(rows * ldd + 16), 7.0f);
           const bool bad = mk.copy_rows_f32(s.data(), lds, rows, cols, dst.data(), ldd);
           EXPECT_EQ(bad, poison > 0)
