@@ -171,7 +171,8 @@ struct MicroKernels {
 const MicroKernels& PortableMicroKernels();
 const MicroKernels& Avx512MicroKernels();      // call only if DetectCpuFeatures().avx512
 const MicroKernels& Avx512Bf16MicroKernels();  // call only if ....avx512_bf16
-// The table for a resolved path (kAuto is treated as kPortable).
+// The table for a resolved path (kAuto is treated as kPortable). Only for a
+// path the CPU supports: the AVX-512 tables are built by AVX-512 code.
 const MicroKernels& MicroKernelsFor(KernelPath path);
 
 }  // namespace ringsplash::kernels::micro

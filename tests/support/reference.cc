@@ -117,7 +117,10 @@ RefBackward ReferenceBackward(const RefProblem& p, const std::vector<double>& do
   g.dq.assign(p.q.size(), 0.0);
   g.dk.assign(p.k.size(), 0.0);
   g.dv.assign(p.v.size(), 0.0);
-  if (!p.sinks.empty()) g.dsinks.assign(static_cast<size_t>(p.h), 0.0);
+  if (!p.sinks.empty()) {
+    g.dsinks.assign(static_cast<size_t>(p.h), 0.0);
+    g.dsinks_terms.assign(static_cast<size_t>(p.h), 0.0);
+  }
   const double scale = Scale(p);
   Row row;
   for (int64_t b = 0; b < p.b; ++b) {
@@ -131,7 +134,11 @@ RefBackward ReferenceBackward(const RefProblem& p, const std::vector<double>& do
         const double* dO = &dout[OIdx(p, b, i, h)];
         double di = 0;  // D_i = dout_i . out_i
         for (int64_t e = 0; e < p.dv; ++e) di += dO[e] * o[e];
-        if (!p.sinks.empty()) g.dsinks[h] -= std::exp(p.sinks[h] - lse) * di;
+        if (!p.sinks.empty()) {
+          const double term = std::exp(p.sinks[h] - lse) * di;
+          g.dsinks[h] -= term;
+          g.dsinks_terms[h] += std::abs(term);
+        }
         const double* q = &p.q[QIdx(p, b, i, h)];
         double* dq = &g.dq[QIdx(p, b, i, h)];
         for (int64_t j = 0; j < p.skv; ++j) {

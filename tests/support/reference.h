@@ -37,6 +37,10 @@ struct RefBackward {
   std::vector<double> dk;      // [B, Skv, Hkv, D]
   std::vector<double> dv;      // [B, Skv, Hkv, Dv]
   std::vector<double> dsinks;  // [H] (empty without sinks)
+  // [H] sum over rows of |exp(sink - lse_i) D_i|: dsinks is a sum of B * Sq
+  // signed terms that may cancel, so its rounding scales with this, not with
+  // |dsinks|.
+  std::vector<double> dsinks_terms;
 };
 
 RefForward ReferenceForward(const RefProblem& p);

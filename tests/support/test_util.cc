@@ -319,7 +319,9 @@ Errors ErrorsOf(const ApiResult& api, const RefResult& ref) {
     e.dq = Compare(api.dq, ref.bwd.dq).Relative(kMagnitudeFloor);
     e.dk = Compare(api.dk, ref.bwd.dk).Relative(kMagnitudeFloor);
     e.dv = Compare(api.dv, ref.bwd.dv).Relative(kMagnitudeFloor);
-    e.dsinks = Compare(api.dsinks, ref.bwd.dsinks).Relative(kMagnitudeFloor);
+    double dsinks_scale = kMagnitudeFloor;
+    for (double t : ref.bwd.dsinks_terms) dsinks_scale = std::max(dsinks_scale, t);
+    e.dsinks = Compare(api.dsinks, ref.bwd.dsinks).Relative(dsinks_scale);
   }
   return e;
 }

@@ -123,7 +123,11 @@ RefResult RunReference(const OwnedInputs& in, const AttentionOptions& opt, const
 // nearly so (e.g. dq of rows with a single allowed key, where p = 1 and
 // dp - D cancels): the API's rounding noise there is ~u times the size of
 // the cancelling terms, which are O(0.1..10) for the O(1) test inputs, so
-// it is measured against that scale rather than against 0.
+// it is measured against that scale rather than against 0. dsinks, a sum of
+// B * Sq signed terms, is measured against the sum of their magnitudes
+// (RefBackward::dsinks_terms) when that is larger: its f32 rounding is
+// ~sqrt(B * Sq) u times that sum however much the terms cancel, while a lost
+// or wrong term is ~1 / (B * Sq) of it (>= 1e-3 for the test shapes).
 struct Errors {
   double out = 0, lse = 0, dq = 0, dk = 0, dv = 0, dsinks = 0;
   std::string Describe() const;
