@@ -39,7 +39,7 @@ using kernels::micro::MicroKernels;
 using kernels::micro::PaddedLd;
 using kernels::micro::RoundUp;
 
-constexpr KernelPath kPaths[] = {KernelPath::kPortable, KernelPath::kAvx512,
+constexpr KernelPath kPaths[] = {KernelPath::kPortable, KernelPath::kAvx2, KernelPath::kAvx512,
                                  KernelPath::kAvx512Bf16};
 
 bool Supported(KernelPath path) {
@@ -454,8 +454,11 @@ void BM_FlashThreads(benchmark::State& state) {
 void FlashArgs(benchmark::internal::Benchmark* b) {
   const auto avx = static_cast<int64_t>(KernelPath::kAvx512);
   const auto bf = static_cast<int64_t>(KernelPath::kAvx512Bf16);
+  const auto avx2 = static_cast<int64_t>(KernelPath::kAvx2);
   const BlockSizes def{128, 128};  // the recommended tile sizes (docs/PERFORMANCE.md)
   for (int64_t bwd : {0, 1}) {
+    b->Args({avx2, 2048, 128, 0, 0, bwd, def.q, def.kv});
+    b->Args({avx2, 2048, 64, 0, 0, bwd, def.q, def.kv});
     b->Args({avx, 2048, 128, 0, 0, bwd, def.q, def.kv});
     b->Args({avx, 2048, 64, 0, 0, bwd, def.q, def.kv});
     b->Args({avx, 2048, 128, 0, 1, bwd, def.q, def.kv});

@@ -203,11 +203,12 @@ void ExpectClose(const std::vector<float>& actual, const std::vector<double>& ex
 // --- KernelPath functions ---------------------------------------------------
 
 TEST(KernelPathTest, NamesRoundTripAndBadNamesThrow) {
-  for (KernelPath p :
-       {KernelPath::kAuto, KernelPath::kPortable, KernelPath::kAvx512, KernelPath::kAvx512Bf16}) {
+  for (KernelPath p : {KernelPath::kAuto, KernelPath::kPortable, KernelPath::kAvx2,
+                       KernelPath::kAvx512, KernelPath::kAvx512Bf16}) {
     EXPECT_EQ(ParseKernelPath(KernelPathName(p)), p);
   }
-  EXPECT_THROW(ParseKernelPath("avx2"), Error);
+  EXPECT_THROW(ParseKernelPath("avx"), Error);
+  EXPECT_THROW(ParseKernelPath("AVX2"), Error);
   EXPECT_THROW(ParseKernelPath(""), Error);
 }
 
@@ -216,8 +217,15 @@ TEST(KernelPathTest, SupportedAndResolve) {
   ASSERT_FALSE(paths.empty());
   EXPECT_EQ(paths.front(), KernelPath::kPortable);
   const auto& f = kernels::DetectCpuFeatures();
-  EXPECT_EQ(paths.size(), 1u + (f.avx512 ? 1u : 0u) + (f.avx512_bf16 ? 1u : 0u));
+  EXPECT_EQ(paths.size(),
+            1u + (f.avx2 ? 1u : 0u) + (f.avx512 ? 1u : 0u) + (f.avx512_bf16 ? 1u : 0u));
+  // Each wider path implies the narrower ones (AVX-512 CPUs have AVX2).
+  EXPECT_TRUE(!f.avx512 || f.avx2);
+  EXPECT_TRUE(!f.avx512_bf16 || f.avx512);
   for (KernelPath p : paths) EXPECT_EQ(ResolveKernelPath(p), p);
+  if (!f.avx2) {
+    EXPECT_THROW(ResolveKernelPath(KernelPath::kAvx2), Error);
+  }
   if (!f.avx512) {
     EXPECT_THROW(ResolveKernelPath(KernelPath::kAvx512), Error);
   }
@@ -226,9 +234,11 @@ TEST(KernelPathTest, SupportedAndResolve) {
   }
 
   unsetenv("RINGSPLASH_KERNEL");
-  // kAuto: avx512_bf16 only where bf16 dot products are fast, else avx512.
+  // kAuto: avx512_bf16 only where bf16 dot products are fast, else avx512,
+  // else avx2.
   const KernelPath best = f.avx512_bf16 && f.fast_bf16_dot ? KernelPath::kAvx512Bf16
                           : f.avx512                       ? KernelPath::kAvx512
+                          : f.avx2                         ? KernelPath::kAvx2
                                                            : KernelPath::kPortable;
   EXPECT_EQ(ResolveKernelPath(KernelPath::kAuto), best);
   setenv("RINGSPLASH_KERNEL", "portable", 1);

@@ -34,9 +34,10 @@ struct BlockSizes {
 };
 
 // Micro-kernel implementations. kAuto picks the fastest this CPU supports; the
-// environment variable RINGSPLASH_KERNEL=portable|avx512|avx512_bf16 overrides
-// kAuto (tests use the option directly). Forcing an unsupported path is an Error.
-enum class KernelPath { kAuto, kPortable, kAvx512, kAvx512Bf16 };
+// environment variable RINGSPLASH_KERNEL=portable|avx2|avx512|avx512_bf16
+// overrides kAuto (tests use the option directly). Forcing an unsupported path
+// is an Error. kAvx2 (AVX2 + FMA, 8-lane f32) is for CPUs without AVX-512.
+enum class KernelPath { kAuto, kPortable, kAvx2, kAvx512, kAvx512Bf16 };
 const char* KernelPathName(KernelPath path);
 KernelPath ParseKernelPath(const std::string& text);
 // Paths usable on this machine (never includes kAuto; always includes kPortable).

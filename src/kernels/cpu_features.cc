@@ -32,17 +32,24 @@ CpuFeatures Detect() {
   if (!__get_cpuid(1, &eax, &ebx, &ecx, &edx)) return f;
   const bool fma = (ecx >> 12) & 1;
   const bool osxsave = (ecx >> 27) & 1;
+  const bool avx = (ecx >> 28) & 1;
   const bool f16c = (ecx >> 29) & 1;
-  if (!osxsave) return f;
+  if (!osxsave || !avx) return f;
+  // The OS must save the ymm state (XCR0 bits 1, 2) for AVX2, and also the
+  // opmask and zmm state (bits 5, 6, 7) for AVX-512.
   const uint64_t xcr0 = ReadXcr0();
-  const uint64_t kZmmState = (1u << 1) | (1u << 2) | (1u << 5) | (1u << 6) | (1u << 7);
-  if ((xcr0 & kZmmState) != kZmmState) return f;
+  const uint64_t kYmmState = (1u << 1) | (1u << 2);
+  const uint64_t kZmmState = kYmmState | (1u << 5) | (1u << 6) | (1u << 7);
+  if ((xcr0 & kYmmState) != kYmmState) return f;
   if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return f;
+  const bool avx2 = (ebx >> 5) & 1;
+  f.avx2 = avx2 && fma && f16c;
+  if ((xcr0 & kZmmState) != kZmmState) return f;
   const bool avx512f = (ebx >> 16) & 1;
   const bool avx512dq = (ebx >> 17) & 1;
   const bool avx512bw = (ebx >> 30) & 1;
   const bool avx512vl = (ebx >> 31) & 1;
-  f.avx512 = fma && f16c && avx512f && avx512dq && avx512bw && avx512vl;
+  f.avx512 = f.avx2 && avx512f && avx512dq && avx512bw && avx512vl;
   unsigned max_sub = eax;
   if (f.avx512 && max_sub >= 1 && __get_cpuid_count(7, 1, &eax, &ebx, &ecx, &edx)) {
     f.avx512_bf16 = (eax >> 5) & 1;
@@ -56,6 +63,8 @@ bool Supported(KernelPath path) {
   switch (path) {
     case KernelPath::kPortable:
       return true;
+    case KernelPath::kAvx2:
+      return f.avx2;
     case KernelPath::kAvx512:
       return f.avx512;
     case KernelPath::kAvx512Bf16:
@@ -81,6 +90,8 @@ const char* KernelPathName(KernelPath path) {
       return "auto";
     case KernelPath::kPortable:
       return "portable";
+    case KernelPath::kAvx2:
+      return "avx2";
     case KernelPath::kAvx512:
       return "avx512";
     case KernelPath::kAvx512Bf16:
@@ -90,16 +101,17 @@ const char* KernelPathName(KernelPath path) {
 }
 
 KernelPath ParseKernelPath(const std::string& text) {
-  for (KernelPath p :
-       {KernelPath::kAuto, KernelPath::kPortable, KernelPath::kAvx512, KernelPath::kAvx512Bf16}) {
+  for (KernelPath p : {KernelPath::kAuto, KernelPath::kPortable, KernelPath::kAvx2,
+                       KernelPath::kAvx512, KernelPath::kAvx512Bf16}) {
     if (text == KernelPathName(p)) return p;
   }
-  Fail("kernel path: expected one of auto|portable|avx512|avx512_bf16, got '", text, "'");
+  Fail("kernel path: expected one of auto|portable|avx2|avx512|avx512_bf16, got '", text, "'");
 }
 
 std::vector<KernelPath> SupportedKernelPaths() {
   std::vector<KernelPath> paths;
-  for (KernelPath p : {KernelPath::kPortable, KernelPath::kAvx512, KernelPath::kAvx512Bf16}) {
+  for (KernelPath p :
+       {KernelPath::kPortable, KernelPath::kAvx2, KernelPath::kAvx512, KernelPath::kAvx512Bf16}) {
     if (kernels::Supported(p)) paths.push_back(p);
   }
   return paths;
@@ -115,7 +127,7 @@ KernelPath ResolveKernelPath(KernelPath requested) {
       try {
         forced = ParseKernelPath(env);
       } catch (const Error&) {
-        Fail("RINGSPLASH_KERNEL: expected portable|avx512|avx512_bf16, got '", env, "'");
+        Fail("RINGSPLASH_KERNEL: expected portable|avx2|avx512|avx512_bf16, got '", env, "'");
       }
       if (forced != KernelPath::kAuto) {
         Check(kernels::Supported(forced), "RINGSPLASH_KERNEL: kernel path '", env,
@@ -126,10 +138,12 @@ KernelPath ResolveKernelPath(KernelPath requested) {
     const kernels::CpuFeatures& f = kernels::DetectCpuFeatures();
     if (f.avx512_bf16 && f.fast_bf16_dot) return KernelPath::kAvx512Bf16;
     if (f.avx512) return KernelPath::kAvx512;
+    if (f.avx2) return KernelPath::kAvx2;
     return KernelPath::kPortable;
   }
   Check(kernels::Supported(requested), "kernel_path: '", KernelPathName(requested),
         "' is not supported by this CPU (supported: portable",
+        kernels::Supported(KernelPath::kAvx2) ? ", avx2" : "",
         kernels::Supported(KernelPath::kAvx512) ? ", avx512" : "",
         kernels::Supported(KernelPath::kAvx512Bf16) ? ", avx512_bf16" : "", ")");
   return requested;

@@ -1,15 +1,17 @@
 // Runtime CPU feature detection for the micro-kernel dispatch.
 //
-// The AVX-512 micro-kernels live in translation units compiled with AVX-512
-// flags (micro_avx512*.cc); nothing may call into them unless these checks
-// say the CPU (and the OS, which must save the zmm state) supports them.
+// The AVX2 and AVX-512 micro-kernels live in translation units compiled with
+// those flags (micro_avx2.cc, micro_avx512*.cc); nothing may call into them
+// unless these checks say the CPU (and the OS, which must save the ymm / zmm
+// state) supports them.
 #ifndef RINGSPLASH_KERNELS_CPU_FEATURES_H_
 #define RINGSPLASH_KERNELS_CPU_FEATURES_H_
 
 namespace ringsplash::kernels {
 
 struct CpuFeatures {
-  bool avx512 = false;       // AVX512 F+BW+VL+DQ, FMA, F16C and OS zmm support
+  bool avx2 = false;         // AVX2, FMA, F16C and OS ymm support
+  bool avx512 = false;       // avx2 and AVX512 F+BW+VL+DQ and OS zmm support
   bool avx512_bf16 = false;  // avx512 and AVX512_BF16 (vdpbf16ps, vcvtneps2bf16)
   // Whether vdpbf16ps runs at (at least) the f32 FMA instruction rate, i.e.
   // bf16 products are ~2x the f32 FLOP rate. Measured on Intel Sapphire

@@ -169,10 +169,12 @@ struct MicroKernels {
 };
 
 const MicroKernels& PortableMicroKernels();
+const MicroKernels& Avx2MicroKernels();        // call only if DetectCpuFeatures().avx2
 const MicroKernels& Avx512MicroKernels();      // call only if DetectCpuFeatures().avx512
 const MicroKernels& Avx512Bf16MicroKernels();  // call only if ....avx512_bf16
 // The table for a resolved path (kAuto is treated as kPortable). Only for a
-// path the CPU supports: the AVX-512 tables are built by AVX-512 code.
+// path the CPU supports: the AVX2 and AVX-512 tables are built by code
+// compiled for those instruction sets.
 const MicroKernels& MicroKernelsFor(KernelPath path);
 
 }  // namespace ringsplash::kernels::micro

@@ -1,6 +1,6 @@
 // Portable micro-kernels: plain C++ loops with the same tile contracts as the
-// AVX-512 ones (micro.h). They are the reference when debugging the fast
-// paths and the fallback on CPUs without AVX-512. Also holds the dispatcher,
+// AVX2 and AVX-512 ones (micro.h). They are the reference when debugging the
+// fast paths and the fallback on CPUs without AVX2. Also holds the dispatcher,
 // since this translation unit is compiled for baseline x86-64.
 #include <algorithm>
 #include <bit>
@@ -195,6 +195,8 @@ const MicroKernels& PortableMicroKernels() {
 
 const MicroKernels& MicroKernelsFor(KernelPath path) {
   switch (path) {
+    case KernelPath::kAvx2:
+      return Avx2MicroKernels();
     case KernelPath::kAvx512:
       return Avx512MicroKernels();
     case KernelPath::kAvx512Bf16:

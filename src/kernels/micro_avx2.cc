@@ -1,0 +1,290 @@
+// AVX2 + FMA micro-kernel table (compiled with -mavx2 -mfma -mf16c; used only
+// after runtime detection, see cpu_features.h): for x86-64 CPUs without
+// AVX-512 (AMD Zen 1-3, Intel client cores), which the portable loops would
+// leave at a small fraction of their FMA peak.
+//
+// f32 GEMM: a register block is MR = 6 rows x 16 columns in 12 ymm
+// accumulators (two 8-lane halves of a kVec-wide column strip); per step p
+// the strip's two B vectors are loaded once and each A(i, p) is broadcast:
+// 12 FMAs per 2 loads + 6 broadcasts, 15 of the 16 ymm registers.
+// Tiles (micro.h, transposed layout): S^T = K Q^T by that GEMM, then the
+// softmax work in passes over each 8-query strip while it sits in L1. The
+// forward always takes the exact online-softmax step (no lazy rescaling),
+// so this path's results match the portable loops up to the rounding of
+// the vectorised exp and tanh.
+#include <immintrin.h>
+
+#include <cstdint>
+#include <limits>
+
+#include "src/kernels/micro.h"
+#include "src/kernels/micro_blocking.h"
+#include "src/kernels/micro_math_avx2.h"
+
+namespace ringsplash::kernels::micro {
+namespace avx2 {
+namespace {
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+constexpr int kRows = 6;  // MR of the GEMM's register blocks
+
+// acc += A[MR x k] B[k x 16] for the 16-column strip at b.
+template <int MR, ALayout L>
+RINGSPLASH_INLINE void MultiplyBlock(int64_t k, const float* a, int64_t a_rs, int64_t a_cs,
+                                     const float* b, int64_t ldb, __m256 (&acc)[MR][2]) {
+  const float* ap[MR];
+  RINGSPLASH_UNROLL
+  for (int i = 0; i < MR; ++i) ap[i] = a + i * a_rs;
+  for (int64_t p = 0; p < k; ++p) {
+    const __m256 b0 = _mm256_loadu_ps(b + p * ldb);
+    const __m256 b1 = _mm256_loadu_ps(b + p * ldb + 8);
+    RINGSPLASH_UNROLL
+    for (int i = 0; i < MR; ++i) {
+      const float* aip = L == ALayout::kRowMajor   ? ap[i] + p
+                         : L == ALayout::kColMajor ? a + p * a_cs + i
+                                                   : ap[i] + p * a_cs;
+      const __m256 av = _mm256_broadcast_ss(aip);
+      acc[i][0] = _mm256_fmadd_ps(av, b0, acc[i][0]);
+      acc[i][1] = _mm256_fmadd_ps(av, b1, acc[i][1]);
+    }
+  }
+}
+
+// GemmF32RangesFn for one layout of A.
+template <ALayout L>
+void GemmLayout(int64_t m, int64_t n, int64_t k, const float* a, int64_t a_rs, int64_t a_cs,
+                const float* b, int64_t ldb, float* c, int64_t ldc, const float* row_scale,
+                bool accumulate, KRanges ranges) {
+  // One 16-column strip of B at a time (k x 64 bytes: 8 KiB for k = 128)
+  // stays in L1 while the row blocks stream A.
+  for (int64_t j = 0; j < n; j += kVec) {
+    ForEachRowBlock<kRows>(m, [&](int64_t i0, auto rows) {
+      constexpr int R = decltype(rows)::value;
+      __m256 acc[R][2];
+      float* cb = c + i0 * ldc + j;
+      RINGSPLASH_UNROLL
+      for (int i = 0; i < R; ++i) {
+        if (accumulate) {
+          const __m256 r = _mm256_set1_ps(row_scale != nullptr ? row_scale[i0 + i] : 1.0f);
+          acc[i][0] = _mm256_mul_ps(_mm256_loadu_ps(cb + i * ldc), r);
+          acc[i][1] = _mm256_mul_ps(_mm256_loadu_ps(cb + i * ldc + 8), r);
+        } else {
+          acc[i][0] = _mm256_setzero_ps();
+          acc[i][1] = _mm256_setzero_ps();
+        }
+      }
+      int64_t lo, hi;
+      BlockRange(ranges, i0, R, k, &lo, &hi);
+      MultiplyBlock<R, L>(hi - lo, a + i0 * a_rs + lo * a_cs, a_rs, a_cs, b + lo * ldb + j, ldb,
+                          acc);
+      RINGSPLASH_UNROLL
+      for (int i = 0; i < R; ++i) {
+        _mm256_storeu_ps(cb + i * ldc, acc[i][0]);
+        _mm256_storeu_ps(cb + i * ldc + 8, acc[i][1]);
+      }
+    });
+  }
+}
+
+void GemmF32Ranges(int64_t m, int64_t n, int64_t k, const float* a, int64_t a_rs, int64_t a_cs,
+                   const float* b, int64_t ldb, float* c, int64_t ldc, const float* row_scale,
+                   bool accumulate, KRanges ranges) {
+  if (a_cs == 1) {
+    GemmLayout<ALayout::kRowMajor>(m, n, k, a, a_rs, a_cs, b, ldb, c, ldc, row_scale, accumulate,
+                                   ranges);
+  } else if (a_rs == 1) {
+    GemmLayout<ALayout::kColMajor>(m, n, k, a, a_rs, a_cs, b, ldb, c, ldc, row_scale, accumulate,
+                                   ranges);
+  } else {
+    GemmLayout<ALayout::kGeneral>(m, n, k, a, a_rs, a_cs, b, ldb, c, ldc, row_scale, accumulate,
+                                  ranges);
+  }
+}
+
+void GemmF32(int64_t m, int64_t n, int64_t k, const float* a, int64_t a_rs, int64_t a_cs,
+             const float* b, int64_t ldb, float* c, int64_t ldc, const float* row_scale,
+             bool accumulate) {
+  GemmF32Ranges(m, n, k, a, a_rs, a_cs, b, ldb, c, ldc, row_scale, accumulate, KRanges());
+}
+
+// Lanes l < count of 8 as all-ones (count clamped to [0, 8]).
+inline __m256i FirstLanes(int64_t count) {
+  const int32_t c = static_cast<int32_t>(count < 0 ? 0 : count > 8 ? 8 : count);
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(c), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+// Allowed lanes of key j for the 8 queries from i0 (a multiple of 8), all-ones
+// where allowed: the byte of the mask word that holds them, one bit per lane.
+inline __m256 Allowed8(const TileArgs& t, int64_t j, int64_t i0) {
+  const uint32_t bits = (t.mask[j * t.ldm + i0 / kVec] >> (i0 % kVec)) & 0xFFu;
+  const __m256i lane_bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+  const __m256i hit = _mm256_and_si256(_mm256_set1_epi32(static_cast<int32_t>(bits)), lane_bit);
+  return _mm256_castsi256_ps(_mm256_cmpeq_epi32(hit, lane_bit));
+}
+
+// Logit of a raw product: x = s * scale, then softcap * tanh(x / softcap)
+// with a cap (the same operations, in the same order, as the portable loops);
+// *th receives the tanh (the backward's derivative needs it).
+struct LogitOp {
+  __m256 scale, cap, inv_cap;
+  bool capped;
+  explicit LogitOp(const TileArgs& t)
+      : scale(_mm256_set1_ps(t.scale)),
+        cap(_mm256_set1_ps(t.softcap)),
+        inv_cap(_mm256_set1_ps(t.softcap > 0.0f ? 1.0f / t.softcap : 0.0f)),
+        capped(t.softcap > 0.0f) {}
+  RINGSPLASH_INLINE __m256 operator()(__m256 s, __m256* th) const {
+    const __m256 x = _mm256_mul_ps(s, scale);
+    if (!capped) return x;
+    *th = Tanh256(_mm256_mul_ps(x, inv_cap));
+    return _mm256_mul_ps(cap, *th);
+  }
+};
+
+// The exact online-softmax step (SoftmaxColumnsFn) of the 8-query strip at
+// i0: first pass logits (-inf where masked) and their max, second pass
+// P^T = exp(x - shift) and the lane sums, then the state of the live lanes.
+void SoftmaxStrip(const TileArgs& t, const LogitOp& logit, int64_t i0, float* row_max,
+                  float* row_sum, float* alpha) {
+  const __m256 neg_inf = _mm256_set1_ps(kNegInf);
+  __m256 vmax = neg_inf;
+  for (int64_t j = 0; j < t.keys; ++j) {
+    float* s = t.pt + j * t.ldp + i0;
+    __m256 th;
+    __m256 x = logit(_mm256_loadu_ps(s), &th);
+    if (t.mask != nullptr) x = _mm256_blendv_ps(neg_inf, x, Allowed8(t, j, i0));
+    _mm256_storeu_ps(s, x);
+    vmax = _mm256_max_ps(vmax, x);
+  }
+  const __m256i live = FirstLanes(t.queries - i0);
+  const __m256 old_max =
+      _mm256_blendv_ps(neg_inf, _mm256_maskload_ps(row_max + i0, live), _mm256_castsi256_ps(live));
+  const __m256 m_new = _mm256_max_ps(old_max, vmax);
+  const __m256 none = _mm256_cmp_ps(m_new, neg_inf, _CMP_EQ_OQ);
+  const __m256 shift = _mm256_andnot_ps(none, m_new);
+  __m256 sum = _mm256_setzero_ps();
+  for (int64_t j = 0; j < t.keys; ++j) {
+    float* s = t.pt + j * t.ldp + i0;
+    const __m256 p = Exp256(_mm256_sub_ps(_mm256_loadu_ps(s), shift));
+    _mm256_storeu_ps(s, p);
+    sum = _mm256_add_ps(sum, p);
+  }
+  const __m256 a = Exp256(_mm256_sub_ps(old_max, shift));
+  const __m256 l = _mm256_fmadd_ps(a, _mm256_maskload_ps(row_sum + i0, live), sum);
+  _mm256_maskstore_ps(alpha + i0, live, a);
+  _mm256_maskstore_ps(row_sum + i0, live, l);
+  _mm256_maskstore_ps(row_max + i0, live, m_new);
+}
+
+void SoftmaxColumns(const TileArgs& t, float* row_max, float* row_sum, float* alpha) {
+  const LogitOp logit(t);
+  const int64_t mp = RoundUp(t.queries, kVec);
+  for (int64_t i0 = 0; i0 < mp; i0 += 8) SoftmaxStrip(t, logit, i0, row_max, row_sum, alpha);
+}
+
+// Raw products S^T = K Q^T (keys x mp) into t.pt.
+void ScoresT(const TileArgs& t) {
+  GemmLayout<ALayout::kRowMajor>(t.keys, RoundUp(t.queries, kVec), t.d, t.k, t.ldk, 1, t.qt, t.ldq,
+                                 t.pt, t.ldp, nullptr, false, KRanges());
+}
+
+void ForwardTile(const TileArgs& t, float* row_max, float* row_sum, float* alpha) {
+  ScoresT(t);
+  SoftmaxColumns(t, row_max, row_sum, alpha);
+}
+
+void BackwardTile(const BackwardTileArgs& b) {
+  const TileArgs& t = b.t;
+  const int64_t mp = RoundUp(t.queries, kVec);
+  ScoresT(t);
+  // dP^T = V dO^T, into ds until the elementwise pass below overwrites it.
+  GemmLayout<ALayout::kRowMajor>(t.keys, mp, b.dv, b.v, b.ldv, 1, b.dot, t.ldq, b.ds, t.ldp,
+                                 nullptr, false, KRanges());
+  // Per-lane lse and delta over all mp lanes: dead lanes (and queries with
+  // no allowed key, lse = -inf) get P = 0 through the `keys` lanes below.
+  float* lse = t.scratch;
+  float* delta = t.scratch + mp;
+  for (int64_t i = 0; i < mp; ++i) {
+    lse[i] = i < t.queries ? b.lse[i] : kNegInf;
+    delta[i] = i < t.queries ? b.delta[i] : 0.0f;
+  }
+  const LogitOp logit(t);
+  const __m256 neg_inf = _mm256_set1_ps(kNegInf);
+  const __m256 one = _mm256_set1_ps(1.0f);
+  for (int64_t i0 = 0; i0 < mp; i0 += 8) {
+    const __m256 l = _mm256_loadu_ps(lse + i0);
+    const __m256 keys = _mm256_cmp_ps(l, neg_inf, _CMP_NEQ_OQ);
+    const __m256 shift = _mm256_and_ps(keys, l);
+    const __m256 dl = _mm256_loadu_ps(delta + i0);
+    for (int64_t j = 0; j < t.keys; ++j) {
+      const int64_t o = j * t.ldp + i0;
+      __m256 th = _mm256_setzero_ps();
+      const __m256 x = logit(_mm256_loadu_ps(t.pt + o), &th);
+      __m256 ok = keys;
+      if (t.mask != nullptr) ok = _mm256_and_ps(ok, Allowed8(t, j, i0));
+      const __m256 p = _mm256_and_ps(ok, Exp256(_mm256_sub_ps(x, shift)));
+      __m256 ds = _mm256_mul_ps(_mm256_mul_ps(logit.scale, p),
+                                _mm256_sub_ps(_mm256_loadu_ps(b.ds + o), dl));
+      if (logit.capped) ds = _mm256_mul_ps(ds, _mm256_fnmadd_ps(th, th, one));
+      _mm256_storeu_ps(t.pt + o, p);
+      _mm256_storeu_ps(b.ds + o, ds);
+    }
+  }
+}
+
+// Rows this far ahead are requested while a row is copied (as in the
+// AVX-512 copy: the rows are strided by other heads, which the hardware
+// prefetchers do not follow).
+constexpr int64_t kPrefetchRows = 8;
+
+bool CopyRowsF32(const float* src, int64_t lds, int64_t rows, int64_t cols, float* dst,
+                 int64_t ldd) {
+  // Running max of |bits|: reaches the infinity pattern iff a value was a
+  // NaN or an infinity (lanes beyond `cols` load as 0).
+  __m256i worst = _mm256_setzero_si256();
+  const __m256i abs_mask = _mm256_set1_epi32(0x7FFFFFFF);
+  for (int64_t r = 0; r < rows; ++r) {
+    if (r + kPrefetchRows < rows) {
+      const char* ahead = reinterpret_cast<const char*>(src + (r + kPrefetchRows) * lds);
+      for (int64_t o = 0; o < cols * static_cast<int64_t>(sizeof(float)); o += 64) {
+        _mm_prefetch(ahead + o, _MM_HINT_T0);
+      }
+    }
+    const float* s = src + r * lds;
+    float* d = dst + r * ldd;
+    for (int64_t c = 0; c < ldd; c += 8) {
+      const int64_t left = cols - c;
+      const __m256 v = left >= 8  ? _mm256_loadu_ps(s + c)
+                       : left > 0 ? _mm256_maskload_ps(s + c, FirstLanes(left))
+                                  : _mm256_setzero_ps();
+      worst = _mm256_max_epi32(worst, _mm256_and_si256(_mm256_castps_si256(v), abs_mask));
+      if (ldd - c >= 8) {
+        _mm256_storeu_ps(d + c, v);
+      } else {
+        _mm256_maskstore_ps(d + c, FirstLanes(ldd - c), v);
+      }
+    }
+  }
+  const __m256i inf = _mm256_set1_epi32(0x7F800000);
+  return _mm256_movemask_epi8(_mm256_cmpgt_epi32(inf, worst)) != -1;
+}
+
+}  // namespace
+}  // namespace avx2
+
+const MicroKernels& Avx2MicroKernels() {
+  static const MicroKernels table = [] {
+    MicroKernels t = PortableMicroKernels();
+    t.name = "avx2";
+    t.gemm_f32 = avx2::GemmF32;
+    t.gemm_f32_ranges = avx2::GemmF32Ranges;
+    t.copy_rows_f32 = avx2::CopyRowsF32;
+    t.softmax_columns = avx2::SoftmaxColumns;
+    t.forward_tile = avx2::ForwardTile;
+    t.backward_tile = avx2::BackwardTile;
+    return t;
+  }();
+  return table;
+}
+
+}  // namespace ringsplash::kernels::micro
