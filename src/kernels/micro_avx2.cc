@@ -8,12 +8,13 @@
 // the strip's two B vectors are loaded once and each A(i, p) is broadcast:
 // 12 FMAs per 2 loads + 6 broadcasts, 15 of the 16 ymm registers.
 // Tiles (micro.h, transposed layout): S^T = K Q^T by that GEMM, then the
-// softmax work in passes over each 8-query strip while it sits in L1. The
-// forward always takes the exact online-softmax step (no lazy rescaling),
-// so this path's results match the portable loops up to the rounding of
-// the vectorised exp and tanh.
+// softmax work in passes over each 8-query strip while it sits in L1. After
+// a query's first tile the forward takes the lazy step of micro.h (exps
+// against the reference max fused into the products, one pass, no max),
+// as the AVX-512 path does; the exact step is the fallback.
 #include <immintrin.h>
 
+#include <cmath>
 #include <cstdint>
 #include <limits>
 
@@ -188,9 +189,70 @@ void ScoresT(const TileArgs& t) {
                                  t.pt, t.ldp, nullptr, false, KRanges());
 }
 
+// The lazy step's products: P^T = exp(logit(K Q^T) - m) straight from the
+// accumulators (0 where masked), one 16-query strip at a time, with the
+// strip's lane sums kept in registers and stored to sums[mp] at its end.
+// m[mp] holds each lane's reference max (0 for dead lanes).
+void LazyScores(const TileArgs& t, const LogitOp& logit, const float* m, float* sums) {
+  const int64_t mp = RoundUp(t.queries, kVec);
+  for (int64_t i0 = 0; i0 < mp; i0 += kVec) {
+    const __m256 ref[2] = {_mm256_loadu_ps(m + i0), _mm256_loadu_ps(m + i0 + 8)};
+    __m256 sum[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    ForEachRowBlock<kRows>(t.keys, [&](int64_t j0, auto rows) {
+      constexpr int R = decltype(rows)::value;
+      __m256 acc[R][2];
+      RINGSPLASH_UNROLL
+      for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+      MultiplyBlock<R, ALayout::kRowMajor>(t.d, t.k + j0 * t.ldk, t.ldk, 1, t.qt + i0, t.ldq,
+                                           acc);
+      RINGSPLASH_UNROLL
+      for (int r = 0; r < R; ++r) {
+        RINGSPLASH_UNROLL
+        for (int v = 0; v < 2; ++v) {
+          __m256 th;
+          __m256 p = Exp256(_mm256_sub_ps(logit(acc[r][v], &th), ref[v]));
+          if (t.mask != nullptr) p = _mm256_and_ps(p, Allowed8(t, j0 + r, i0 + 8 * v));
+          _mm256_storeu_ps(t.pt + (j0 + r) * t.ldp + i0 + 8 * v, p);
+          sum[v] = _mm256_add_ps(sum[v], p);
+        }
+      }
+    });
+    _mm256_storeu_ps(sums + i0, sum[0]);
+    _mm256_storeu_ps(sums + i0 + 8, sum[1]);
+  }
+}
+
+// The lazy step of ForwardTileFn (micro.h): one pass, exps fused into the
+// products, no max. Taken only when every live query has a finite reference
+// max (not on its first tile); false, with nothing committed, when some
+// query's tile sum exceeds kLazySumLimit (a logit ~14 above its reference)
+// or is not finite — the caller then takes the exact step.
+bool TryLazyStep(const TileArgs& t, const LogitOp& logit, float* row_max, float* row_sum,
+                 float* alpha) {
+  const int64_t mp = RoundUp(t.queries, kVec);
+  for (int64_t i = 0; i < t.queries; ++i) {
+    if (!std::isfinite(row_max[i])) return false;
+  }
+  float* m = t.scratch;
+  float* sums = t.scratch + mp;
+  for (int64_t i = 0; i < mp; ++i) m[i] = i < t.queries ? row_max[i] : 0.0f;
+  LazyScores(t, logit, m, sums);
+  for (int64_t i = 0; i < t.queries; ++i) {
+    if (!(sums[i] <= kLazySumLimit)) return false;  // a NaN fails too
+  }
+  for (int64_t i = 0; i < t.queries; ++i) {
+    row_sum[i] += sums[i];
+    alpha[i] = 1.0f;
+  }
+  return true;
+}
+
 void ForwardTile(const TileArgs& t, float* row_max, float* row_sum, float* alpha) {
+  const LogitOp logit(t);
+  if (TryLazyStep(t, logit, row_max, row_sum, alpha)) return;
   ScoresT(t);
-  SoftmaxColumns(t, row_max, row_sum, alpha);
+  const int64_t mp = RoundUp(t.queries, kVec);
+  for (int64_t i0 = 0; i0 < mp; i0 += 8) SoftmaxStrip(t, logit, i0, row_max, row_sum, alpha);
 }
 
 void BackwardTile(const BackwardTileArgs& b) {
