@@ -203,8 +203,7 @@ void LazyScores(const TileArgs& t, const LogitOp& logit, const float* m, float* 
       __m256 acc[R][2];
       RINGSPLASH_UNROLL
       for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-      MultiplyBlock<R, ALayout::kRowMajor>(t.d, t.k + j0 * t.ldk, t.ldk, 1, t.qt + i0, t.ldq,
-                                           acc);
+      MultiplyBlock<R, ALayout::kRowMajor>(t.d, t.k + j0 * t.ldk, t.ldk, 1, t.qt + i0, t.ldq, acc);
       RINGSPLASH_UNROLL
       for (int r = 0; r < R; ++r) {
         RINGSPLASH_UNROLL
