@@ -183,11 +183,44 @@ void SoftmaxColumns(const TileArgs& t, float* row_max, float* row_sum, float* al
   for (int64_t i0 = 0; i0 < mp; i0 += 8) SoftmaxStrip(t, logit, i0, row_max, row_sum, alpha);
 }
 
-// Raw products S^T = K Q^T (keys x mp) into t.pt.
-void ScoresT(const TileArgs& t) {
-  GemmLayout<ALayout::kRowMajor>(t.keys, RoundUp(t.queries, kVec), t.d, t.k, t.ldk, 1, t.qt, t.ldq,
-                                 t.pt, t.ldp, nullptr, false, KRanges());
+// Whether the register block of keys [j0, j0 + rows) x the 16 queries from
+// i0 (a multiple of 16: one mask word per key) holds an allowed pair.
+inline bool AnyAllowed(const TileArgs& t, int64_t j0, int rows, int64_t i0) {
+  if (t.mask == nullptr) return true;
+  uint32_t any = 0;
+  for (int r = 0; r < rows; ++r) any |= t.mask[(j0 + r) * t.ldm + i0 / kVec];
+  return any != 0;
 }
+
+// Tile products C[keys x mp] = A[keys x k] B[k x mp] (A row-major with
+// leading dimension lda, B with t.ldq, C with t.ldp), register block by
+// register block; a block without an allowed pair is written as zeros
+// without being computed (micro.h allows it: every caller masks those
+// outputs). This keeps the diagonal of causal masks and the edges of
+// sliding windows from costing full tiles.
+void MaskedProducts(const TileArgs& t, int64_t k, const float* a, int64_t lda, const float* b,
+                    float* c) {
+  const int64_t mp = RoundUp(t.queries, kVec);
+  for (int64_t i0 = 0; i0 < mp; i0 += kVec) {
+    ForEachRowBlock<kRows>(t.keys, [&](int64_t j0, auto rows) {
+      constexpr int R = decltype(rows)::value;
+      __m256 acc[R][2];
+      RINGSPLASH_UNROLL
+      for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+      if (AnyAllowed(t, j0, R, i0)) {
+        MultiplyBlock<R, ALayout::kRowMajor>(k, a + j0 * lda, lda, 1, b + i0, t.ldq, acc);
+      }
+      RINGSPLASH_UNROLL
+      for (int r = 0; r < R; ++r) {
+        _mm256_storeu_ps(c + (j0 + r) * t.ldp + i0, acc[r][0]);
+        _mm256_storeu_ps(c + (j0 + r) * t.ldp + i0 + 8, acc[r][1]);
+      }
+    });
+  }
+}
+
+// Raw products S^T = K Q^T (keys x mp) into t.pt (0 in skipped blocks).
+void ScoresT(const TileArgs& t) { MaskedProducts(t, t.d, t.k, t.ldk, t.qt, t.pt); }
 
 // The lazy step's products: P^T = exp(logit(K Q^T) - m) straight from the
 // accumulators (0 where masked), one 16-query strip at a time, with the
@@ -200,6 +233,13 @@ void LazyScores(const TileArgs& t, const LogitOp& logit, const float* m, float* 
     __m256 sum[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
     ForEachRowBlock<kRows>(t.keys, [&](int64_t j0, auto rows) {
       constexpr int R = decltype(rows)::value;
+      if (!AnyAllowed(t, j0, R, i0)) {
+        for (int r = 0; r < R; ++r) {
+          _mm256_storeu_ps(t.pt + (j0 + r) * t.ldp + i0, _mm256_setzero_ps());
+          _mm256_storeu_ps(t.pt + (j0 + r) * t.ldp + i0 + 8, _mm256_setzero_ps());
+        }
+        return;
+      }
       __m256 acc[R][2];
       RINGSPLASH_UNROLL
       for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
@@ -259,8 +299,7 @@ void BackwardTile(const BackwardTileArgs& b) {
   const int64_t mp = RoundUp(t.queries, kVec);
   ScoresT(t);
   // dP^T = V dO^T, into ds until the elementwise pass below overwrites it.
-  GemmLayout<ALayout::kRowMajor>(t.keys, mp, b.dv, b.v, b.ldv, 1, b.dot, t.ldq, b.ds, t.ldp,
-                                 nullptr, false, KRanges());
+  MaskedProducts(t, b.dv, b.v, b.ldv, b.dot, b.ds);
   // Per-lane lse and delta over all mp lanes: dead lanes (and queries with
   // no allowed key, lse = -inf) get P = 0 through the `keys` lanes below.
   float* lse = t.scratch;
