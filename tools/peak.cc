@@ -66,13 +66,14 @@ double MeasureLoop(double (*loop)(int64_t), int threads, double seconds) {
 Peak MeasurePeak(DType dtype, int threads, double seconds) {
   Peak peak;
   peak.threads = std::max(1, threads);
-  if (!Supports(KernelPath::kAvx512) && !Supports(KernelPath::kAvx512Bf16)) {
-    if (Supports(KernelPath::kAvx2)) {
-      // bf16 data runs as f32 FMAs on this path (no bf16 dot product).
-      peak.method = "avx2 fmadd_ps";
-      peak.gflops = MeasureLoop(peak_detail::FmaF32Avx2, peak.threads, seconds);
-      return peak;
-    }
+  const bool avx512 = Supports(KernelPath::kAvx512) || Supports(KernelPath::kAvx512Bf16);
+  if (!avx512 && Supports(KernelPath::kAvx2)) {
+    // bf16 data runs as f32 FMAs on this path (no bf16 dot product).
+    peak.method = "avx2 fmadd_ps";
+    peak.gflops = MeasureLoop(peak_detail::FmaF32Avx2, peak.threads, seconds);
+    return peak;
+  }
+  if (!avx512) {
     peak.method = "portable scalar fma";
     peak.gflops = MeasureLoop(PortableFma, peak.threads, seconds);
     return peak;

@@ -90,16 +90,10 @@ void GemmLayout(int64_t m, int64_t n, int64_t k, const float* a, int64_t a_rs, i
 void GemmF32Ranges(int64_t m, int64_t n, int64_t k, const float* a, int64_t a_rs, int64_t a_cs,
                    const float* b, int64_t ldb, float* c, int64_t ldc, const float* row_scale,
                    bool accumulate, KRanges ranges) {
-  if (a_cs == 1) {
-    GemmLayout<ALayout::kRowMajor>(m, n, k, a, a_rs, a_cs, b, ldb, c, ldc, row_scale, accumulate,
-                                   ranges);
-  } else if (a_rs == 1) {
-    GemmLayout<ALayout::kColMajor>(m, n, k, a, a_rs, a_cs, b, ldb, c, ldc, row_scale, accumulate,
-                                   ranges);
-  } else {
-    GemmLayout<ALayout::kGeneral>(m, n, k, a, a_rs, a_cs, b, ldb, c, ldc, row_scale, accumulate,
-                                  ranges);
-  }
+  WithLayout(a_rs, a_cs, [&](auto layout) {
+    GemmLayout<decltype(layout)::value>(m, n, k, a, a_rs, a_cs, b, ldb, c, ldc, row_scale,
+                                        accumulate, ranges);
+  });
 }
 
 void GemmF32(int64_t m, int64_t n, int64_t k, const float* a, int64_t a_rs, int64_t a_cs,
@@ -290,8 +284,7 @@ void ForwardTile(const TileArgs& t, float* row_max, float* row_sum, float* alpha
   const LogitOp logit(t);
   if (TryLazyStep(t, logit, row_max, row_sum, alpha)) return;
   ScoresT(t);
-  const int64_t mp = RoundUp(t.queries, kVec);
-  for (int64_t i0 = 0; i0 < mp; i0 += 8) SoftmaxStrip(t, logit, i0, row_max, row_sum, alpha);
+  SoftmaxColumns(t, row_max, row_sum, alpha);
 }
 
 void BackwardTile(const BackwardTileArgs& b) {

@@ -113,16 +113,10 @@ void GemmLayout(int64_t m, int64_t n, int64_t k, const float* a, int64_t a_rs, i
 inline void GemmF32RangesAvx512(int64_t m, int64_t n, int64_t k, const float* a, int64_t a_rs,
                                 int64_t a_cs, const float* b, int64_t ldb, float* c, int64_t ldc,
                                 const float* row_scale, bool accumulate, KRanges ranges) {
-  if (a_cs == 1) {
-    GemmLayout<ALayout::kRowMajor>(m, n, k, a, a_rs, a_cs, b, ldb, c, ldc, row_scale, accumulate,
-                                   ranges);
-  } else if (a_rs == 1) {
-    GemmLayout<ALayout::kColMajor>(m, n, k, a, a_rs, a_cs, b, ldb, c, ldc, row_scale, accumulate,
-                                   ranges);
-  } else {
-    GemmLayout<ALayout::kGeneral>(m, n, k, a, a_rs, a_cs, b, ldb, c, ldc, row_scale, accumulate,
-                                  ranges);
-  }
+  WithLayout(a_rs, a_cs, [&](auto layout) {
+    GemmLayout<decltype(layout)::value>(m, n, k, a, a_rs, a_cs, b, ldb, c, ldc, row_scale,
+                                        accumulate, ranges);
+  });
 }
 
 inline void GemmF32Avx512(int64_t m, int64_t n, int64_t k, const float* a, int64_t a_rs,

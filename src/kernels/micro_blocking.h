@@ -22,6 +22,19 @@ namespace ringsplash::kernels::micro {
 // How A(i, p) = a[i * a_rs + p * a_cs] is walked.
 enum class ALayout { kRowMajor, kColMajor, kGeneral };  // a_cs == 1 / a_rs == 1 / other
 
+// Calls f(std::integral_constant<ALayout, L>()) with the layout of A's strides,
+// so each GEMM instantiates its inner loop once per layout.
+template <class F>
+RINGSPLASH_INLINE void WithLayout(int64_t a_rs, int64_t a_cs, F&& f) {
+  if (a_cs == 1) {
+    f(std::integral_constant<ALayout, ALayout::kRowMajor>());
+  } else if (a_rs == 1) {
+    f(std::integral_constant<ALayout, ALayout::kColMajor>());
+  } else {
+    f(std::integral_constant<ALayout, ALayout::kGeneral>());
+  }
+}
+
 // Calls f(std::integral_constant<int, R>) with R == rows, 1 <= rows <= MR.
 template <int MR, class F>
 RINGSPLASH_INLINE void WithRows(int64_t rows, F&& f) {
