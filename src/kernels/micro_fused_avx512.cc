@@ -35,7 +35,7 @@ namespace ringsplash::kernels::micro::avx512 {
 namespace {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-constexpr float kLog2e = 1.44269504088896341f;
+using poly::kLog2e;
 
 inline __mmask16 LaneMask(int64_t lanes) {
   return lanes >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << lanes) - 1u);

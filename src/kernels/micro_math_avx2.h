@@ -6,6 +6,9 @@
 
 #include <immintrin.h>
 
+#include "src/kernels/micro_blocking.h"
+#include "src/kernels/micro_poly.h"
+
 namespace ringsplash::kernels::micro {
 
 // exp(x), f32, ~2e-7 relative for the softmax range: Cody-Waite reduction
@@ -16,19 +19,18 @@ namespace ringsplash::kernels::micro {
 // scalef: 2^n is built as the bits of 2^(n-1) (biased exponent n + 126, in
 // [2, 254] for the clamped range, so n = 128 does not overflow) times 2y.
 // A NaN stays NaN: max/min return their second operand when either is NaN.
-inline __m256 Exp256(__m256 x) {
-  const __m256 tiny = _mm256_cmp_ps(x, _mm256_set1_ps(-86.0f), _CMP_LT_OQ);
-  x = _mm256_max_ps(_mm256_set1_ps(-86.0f), x);
-  x = _mm256_min_ps(_mm256_set1_ps(88.7f), x);
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+RINGSPLASH_INLINE __m256 Exp256(__m256 x) {
+  using namespace poly;
+  const __m256 tiny = _mm256_cmp_ps(x, _mm256_set1_ps(kExpMin), _CMP_LT_OQ);
+  x = _mm256_max_ps(_mm256_set1_ps(kExpMin), x);
+  x = _mm256_min_ps(_mm256_set1_ps(kExpMax), x);
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(kLog2e)),
                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 y = _mm256_fmadd_ps(_mm256_set1_ps(8.29765508e-3f), r, _mm256_set1_ps(4.19153820e-2f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.66675747e-1f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.99988949e-1f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(9.99999692e-1f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.0f));
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Hi), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Lo), r);
+  __m256 y = _mm256_set1_ps(kExp[0]);
+  RINGSPLASH_UNROLL
+  for (int k = 1; k < 6; ++k) y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(kExp[k]));
   const __m256i bits =
       _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(126)), 23);
   const __m256 e = _mm256_mul_ps(_mm256_add_ps(y, y), _mm256_castsi256_ps(bits));
@@ -37,26 +39,22 @@ inline __m256 Exp256(__m256 x) {
 
 // tanh(x), f32: the rational approximation of Tanh512 (Eigen's float form)
 // on [-7.9988, 7.9988], x itself for |x| < 4e-4.
-inline __m256 Tanh256(__m256 x) {
-  const __m256 kClamp = _mm256_set1_ps(7.99881172180175781f);
+RINGSPLASH_INLINE __m256 Tanh256(__m256 x) {
+  using namespace poly;
+  const __m256 kClamp = _mm256_set1_ps(kTanhClamp);
   const __m256 xc =
       _mm256_min_ps(_mm256_max_ps(x, _mm256_sub_ps(_mm256_setzero_ps(), kClamp)), kClamp);
   const __m256 x2 = _mm256_mul_ps(xc, xc);
-  __m256 p = _mm256_set1_ps(-2.76076847742355e-16f);
-  p = _mm256_fmadd_ps(p, x2, _mm256_set1_ps(2.00018790482477e-13f));
-  p = _mm256_fmadd_ps(p, x2, _mm256_set1_ps(-8.60467152213735e-11f));
-  p = _mm256_fmadd_ps(p, x2, _mm256_set1_ps(5.12229709037114e-08f));
-  p = _mm256_fmadd_ps(p, x2, _mm256_set1_ps(1.48572235717979e-05f));
-  p = _mm256_fmadd_ps(p, x2, _mm256_set1_ps(6.37261928875436e-04f));
-  p = _mm256_fmadd_ps(p, x2, _mm256_set1_ps(4.89352455891786e-03f));
+  __m256 p = _mm256_set1_ps(kTanhP[0]);
+  RINGSPLASH_UNROLL
+  for (int k = 1; k < 7; ++k) p = _mm256_fmadd_ps(p, x2, _mm256_set1_ps(kTanhP[k]));
   p = _mm256_mul_ps(p, xc);
-  __m256 q = _mm256_set1_ps(1.19825839466702e-06f);
-  q = _mm256_fmadd_ps(q, x2, _mm256_set1_ps(1.18534705686654e-04f));
-  q = _mm256_fmadd_ps(q, x2, _mm256_set1_ps(2.26843463243900e-03f));
-  q = _mm256_fmadd_ps(q, x2, _mm256_set1_ps(4.89352518554385e-03f));
+  __m256 q = _mm256_set1_ps(kTanhQ[0]);
+  RINGSPLASH_UNROLL
+  for (int k = 1; k < 4; ++k) q = _mm256_fmadd_ps(q, x2, _mm256_set1_ps(kTanhQ[k]));
   const __m256 t = _mm256_div_ps(p, q);
   const __m256 abs_x = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), x);
-  const __m256 tiny = _mm256_cmp_ps(abs_x, _mm256_set1_ps(4e-4f), _CMP_LT_OQ);
+  const __m256 tiny = _mm256_cmp_ps(abs_x, _mm256_set1_ps(kTanhTiny), _CMP_LT_OQ);
   return _mm256_blendv_ps(t, x, tiny);
 }
 

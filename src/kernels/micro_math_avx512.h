@@ -5,6 +5,9 @@
 
 #include <immintrin.h>
 
+#include "src/kernels/micro_blocking.h"
+#include "src/kernels/micro_poly.h"
+
 namespace ringsplash::kernels::micro {
 
 // 2^f for f in [-0.5, 0.5]: degree-5 minimax polynomial (relative error
@@ -41,19 +44,18 @@ inline __m512 Exp2Raw512(__m512 x) {
 // x < -86 (where e^x < 4e-38, next to nothing against the row's max term
 // e^0) gives exactly 0 — in particular -inf, the masked logits — and x is
 // clamped to [-86, 88.7] inside, so nothing subnormal or NaN is formed.
-inline __m512 Exp512(__m512 x) {
-  const __mmask16 tiny = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-86.0f), _CMP_LT_OQ);
-  x = _mm512_max_ps(x, _mm512_set1_ps(-86.0f));
-  x = _mm512_min_ps(x, _mm512_set1_ps(88.7f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+RINGSPLASH_INLINE __m512 Exp512(__m512 x) {
+  using namespace poly;
+  const __mmask16 tiny = _mm512_cmp_ps_mask(x, _mm512_set1_ps(kExpMin), _CMP_LT_OQ);
+  x = _mm512_max_ps(x, _mm512_set1_ps(kExpMin));
+  x = _mm512_min_ps(x, _mm512_set1_ps(kExpMax));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 y = _mm512_fmadd_ps(_mm512_set1_ps(8.29765508e-3f), r, _mm512_set1_ps(4.19153820e-2f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.66675747e-1f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.99988949e-1f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(9.99999692e-1f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f));
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Hi), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Lo), r);
+  __m512 y = _mm512_set1_ps(kExp[0]);
+  RINGSPLASH_UNROLL
+  for (int k = 1; k < 6; ++k) y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(kExp[k]));
   return _mm512_maskz_mov_ps(static_cast<__mmask16>(~tiny), _mm512_scalef_ps(y, n));
 }
 
@@ -61,25 +63,22 @@ inline __m512 Exp512(__m512 x) {
 // tanh rounds to +-1 in f32), the minimax form Eigen uses for float; x itself
 // for |x| < 4e-4 where tanh(x) = x in f32. Checked against std::tanh in
 // flash_kernel_test.
-inline __m512 Tanh512(__m512 x) {
-  const __m512 kClamp = _mm512_set1_ps(7.99881172180175781f);
+RINGSPLASH_INLINE __m512 Tanh512(__m512 x) {
+  using namespace poly;
+  const __m512 kClamp = _mm512_set1_ps(kTanhClamp);
   const __m512 xc =
       _mm512_min_ps(_mm512_max_ps(x, _mm512_sub_ps(_mm512_setzero_ps(), kClamp)), kClamp);
   const __m512 x2 = _mm512_mul_ps(xc, xc);
-  __m512 p = _mm512_set1_ps(-2.76076847742355e-16f);
-  p = _mm512_fmadd_ps(p, x2, _mm512_set1_ps(2.00018790482477e-13f));
-  p = _mm512_fmadd_ps(p, x2, _mm512_set1_ps(-8.60467152213735e-11f));
-  p = _mm512_fmadd_ps(p, x2, _mm512_set1_ps(5.12229709037114e-08f));
-  p = _mm512_fmadd_ps(p, x2, _mm512_set1_ps(1.48572235717979e-05f));
-  p = _mm512_fmadd_ps(p, x2, _mm512_set1_ps(6.37261928875436e-04f));
-  p = _mm512_fmadd_ps(p, x2, _mm512_set1_ps(4.89352455891786e-03f));
+  __m512 p = _mm512_set1_ps(kTanhP[0]);
+  RINGSPLASH_UNROLL
+  for (int k = 1; k < 7; ++k) p = _mm512_fmadd_ps(p, x2, _mm512_set1_ps(kTanhP[k]));
   p = _mm512_mul_ps(p, xc);
-  __m512 q = _mm512_set1_ps(1.19825839466702e-06f);
-  q = _mm512_fmadd_ps(q, x2, _mm512_set1_ps(1.18534705686654e-04f));
-  q = _mm512_fmadd_ps(q, x2, _mm512_set1_ps(2.26843463243900e-03f));
-  q = _mm512_fmadd_ps(q, x2, _mm512_set1_ps(4.89352518554385e-03f));
+  __m512 q = _mm512_set1_ps(kTanhQ[0]);
+  RINGSPLASH_UNROLL
+  for (int k = 1; k < 4; ++k) q = _mm512_fmadd_ps(q, x2, _mm512_set1_ps(kTanhQ[k]));
   const __m512 t = _mm512_div_ps(p, q);
-  const __mmask16 tiny = _mm512_cmp_ps_mask(_mm512_abs_ps(x), _mm512_set1_ps(4e-4f), _CMP_LT_OQ);
+  const __mmask16 tiny =
+      _mm512_cmp_ps_mask(_mm512_abs_ps(x), _mm512_set1_ps(kTanhTiny), _CMP_LT_OQ);
   return _mm512_mask_blend_ps(tiny, t, x);
 }
 
