@@ -35,16 +35,17 @@ RINGSPLASH_INLINE void WithLayout(int64_t a_rs, int64_t a_cs, F&& f) {
   }
 }
 
-// Calls f(std::integral_constant<int, R>) with R == rows, 1 <= rows <= MR.
-template <int MR, class F>
-RINGSPLASH_INLINE void WithRows(int64_t rows, F&& f) {
-  if constexpr (MR > 1) {
-    if (rows < MR) {
-      WithRows<MR - 1>(rows, f);
+// Calls f(std::integral_constant<int, C>) with C == count, 1 <= count <= N:
+// a run-time row or vector count turned into a compile-time one.
+template <int N, class F>
+RINGSPLASH_INLINE void WithCount(int64_t count, F&& f) {
+  if constexpr (N > 1) {
+    if (count < N) {
+      WithCount<N - 1>(count, f);
       return;
     }
   }
-  f(std::integral_constant<int, MR>());
+  f(std::integral_constant<int, N>());
 }
 
 // Splits m rows into ceil(m / MR) blocks of balanced height (64 rows: 9 x 6 +
@@ -58,7 +59,7 @@ RINGSPLASH_INLINE void ForEachRowBlock(int64_t m, F&& f) {
   int64_t i = 0;
   for (int64_t blk = 0; blk < blocks; ++blk) {
     const int64_t rows = base + (blk < taller ? 1 : 0);
-    WithRows<MR>(rows, [&](auto r) { f(i, r); });
+    WithCount<MR>(rows, [&](auto r) { f(i, r); });
     i += rows;
   }
 }

@@ -29,6 +29,7 @@
 
 #include "src/kernels/micro.h"
 #include "src/kernels/micro_avx512.h"
+#include "src/kernels/micro_blocking.h"
 #include "src/kernels/micro_math_avx512.h"
 
 namespace ringsplash::kernels::micro::avx512 {
@@ -44,18 +45,6 @@ inline __mmask16 LaneMask(int64_t lanes) {
 // Allowed lanes of key j for the 16 queries from i0 (a multiple of 16).
 inline __mmask16 Allowed16(const TileArgs& t, int64_t j, int64_t i0) {
   return t.mask[j * t.ldm + i0 / 16];
-}
-
-// Calls f(std::integral_constant<int, C>) with C == count, 1 <= count <= N.
-template <int N, class F>
-RINGSPLASH_INLINE void WithCount(int count, F&& f) {
-  if constexpr (N > 1) {
-    if (count < N) {
-      WithCount<N - 1>(count, f);
-      return;
-    }
-  }
-  f(std::integral_constant<int, N>());
 }
 
 // Register blocks of C[rows x mp] = A[rows x k] B[k x mp] (A row-major with
