@@ -117,6 +117,20 @@ std::vector<KernelPath> SupportedKernelPaths() {
   return paths;
 }
 
+namespace {
+
+// "portable, avx2, ..." — the paths this CPU supports, for error messages.
+std::string SupportedNames() {
+  std::string names;
+  for (KernelPath p : SupportedKernelPaths()) {
+    names += names.empty() ? "" : ", ";
+    names += KernelPathName(p);
+  }
+  return names;
+}
+
+}  // namespace
+
 KernelPath ResolveKernelPath(KernelPath requested) {
   if (requested == KernelPath::kAuto) {
     // The environment is read on every call (cheap) so tests and long-lived
@@ -131,7 +145,7 @@ KernelPath ResolveKernelPath(KernelPath requested) {
       }
       if (forced != KernelPath::kAuto) {
         Check(kernels::Supported(forced), "RINGSPLASH_KERNEL: kernel path '", env,
-              "' is not supported by this CPU");
+              "' is not supported by this CPU (supported: ", SupportedNames(), ")");
         return forced;
       }
     }
@@ -142,10 +156,7 @@ KernelPath ResolveKernelPath(KernelPath requested) {
     return KernelPath::kPortable;
   }
   Check(kernels::Supported(requested), "kernel_path: '", KernelPathName(requested),
-        "' is not supported by this CPU (supported: portable",
-        kernels::Supported(KernelPath::kAvx2) ? ", avx2" : "",
-        kernels::Supported(KernelPath::kAvx512) ? ", avx512" : "",
-        kernels::Supported(KernelPath::kAvx512Bf16) ? ", avx512_bf16" : "", ")");
+        "' is not supported by this CPU (supported: ", SupportedNames(), ")");
   return requested;
 }
 
