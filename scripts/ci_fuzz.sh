@@ -3,7 +3,7 @@
 # clang-14 + AddressSanitizer + UBSan — in the ASan build directory of
 # scripts/ci_sanitizers.sh, configured the same way, so after the ASan stage
 # only the fuzzers themselves are compiled — and runs each for FUZZ_SECONDS seconds
-# (default 60), starting from the seed corpus (fuzz/corpus/<target>; the ring
+# (default 30), starting from the seed corpus (fuzz/corpus/<target>; the ring
 # target also from fuzz/corpus/attention, whose problems it decodes) and the
 # saved crash inputs (fuzz/regressions/<target>). New interesting inputs go to
 # a scratch directory, never into the repository.
@@ -24,7 +24,7 @@
 # four: npy mask_parse attention ring), JOBS (build parallelism, default nproc).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-seconds=${FUZZ_SECONDS:-60}
+seconds=${FUZZ_SECONDS:-30}
 seed=${FUZZ_SEED:-1}
 targets=${FUZZ_TARGETS:-"npy mask_parse attention ring"}
 build=build-asan
