@@ -136,6 +136,23 @@ struct LogitOp {
   }
 };
 
+// Base-2 exponent of a raw product against a shift2 = m * log2 e, for the
+// lazy step: x * log2 e - shift2 in one FMA (the logit's scale folded into
+// c2) without a cap; with one, cap * log2 e * tanh(s * scale / cap) - shift2.
+struct ExponentOp {
+  __m256 c2, in, out;
+  bool capped;
+  explicit ExponentOp(const TileArgs& t)
+      : c2(_mm256_set1_ps(t.scale * poly::kLog2e)),
+        in(_mm256_set1_ps(t.softcap > 0.0f ? t.scale / t.softcap : 0.0f)),
+        out(_mm256_set1_ps(t.softcap * poly::kLog2e)),
+        capped(t.softcap > 0.0f) {}
+  RINGSPLASH_INLINE __m256 operator()(__m256 s, __m256 shift2) const {
+    if (!capped) return _mm256_fmsub_ps(s, c2, shift2);
+    return _mm256_fmsub_ps(Tanh256(_mm256_mul_ps(s, in)), out, shift2);
+  }
+};
+
 // The exact online-softmax step (SoftmaxColumnsFn) of the 8-query strip at
 // i0: first pass logits (-inf where masked) and their max, second pass
 // P^T = exp(x - shift) and the lane sums, then the state of the live lanes.
@@ -216,14 +233,14 @@ void MaskedProducts(const TileArgs& t, int64_t k, const float* a, int64_t lda, c
 // Raw products S^T = K Q^T (keys x mp) into t.pt (0 in skipped blocks).
 void ScoresT(const TileArgs& t) { MaskedProducts(t, t.d, t.k, t.ldk, t.qt, t.pt); }
 
-// The lazy step's products: P^T = exp(logit(K Q^T) - m) straight from the
-// accumulators (0 where masked), one 16-query strip at a time, with the
-// strip's lane sums kept in registers and stored to sums[mp] at its end.
-// m[mp] holds each lane's reference max (0 for dead lanes).
-void LazyScores(const TileArgs& t, const LogitOp& logit, const float* m, float* sums) {
+// The lazy step's products: P^T = 2^(logit(K Q^T) log2 e - m2) straight
+// from the accumulators (0 where masked), one 16-query strip at a time, with
+// the strip's lane sums kept in registers and stored to sums[mp] at its end.
+// m2[mp] holds each lane's reference max times log2 e (0 for dead lanes).
+void LazyScores(const TileArgs& t, const ExponentOp& exponent, const float* m2, float* sums) {
   const int64_t mp = RoundUp(t.queries, kVec);
   for (int64_t i0 = 0; i0 < mp; i0 += kVec) {
-    const __m256 ref[2] = {_mm256_loadu_ps(m + i0), _mm256_loadu_ps(m + i0 + 8)};
+    const __m256 ref[2] = {_mm256_loadu_ps(m2 + i0), _mm256_loadu_ps(m2 + i0 + 8)};
     __m256 sum[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
     ForEachRowBlock<kRows>(t.keys, [&](int64_t j0, auto rows) {
       constexpr int R = decltype(rows)::value;
@@ -242,8 +259,7 @@ void LazyScores(const TileArgs& t, const LogitOp& logit, const float* m, float* 
       for (int r = 0; r < R; ++r) {
         RINGSPLASH_UNROLL
         for (int v = 0; v < 2; ++v) {
-          __m256 th;
-          __m256 p = Exp256(_mm256_sub_ps(logit(acc[r][v], &th), ref[v]));
+          __m256 p = Exp2Raw256(exponent(acc[r][v], ref[v]));
           if (t.mask != nullptr) p = _mm256_and_ps(p, Allowed8(t, j0 + r, i0 + 8 * v));
           _mm256_storeu_ps(t.pt + (j0 + r) * t.ldp + i0 + 8 * v, p);
           sum[v] = _mm256_add_ps(sum[v], p);
@@ -260,16 +276,15 @@ void LazyScores(const TileArgs& t, const LogitOp& logit, const float* m, float* 
 // max (not on its first tile); false, with nothing committed, when some
 // query's tile sum exceeds kLazySumLimit (a logit ~14 above its reference)
 // or is not finite — the caller then takes the exact step.
-bool TryLazyStep(const TileArgs& t, const LogitOp& logit, float* row_max, float* row_sum,
-                 float* alpha) {
+bool TryLazyStep(const TileArgs& t, float* row_max, float* row_sum, float* alpha) {
   const int64_t mp = RoundUp(t.queries, kVec);
   for (int64_t i = 0; i < t.queries; ++i) {
     if (!std::isfinite(row_max[i])) return false;
   }
-  float* m = t.scratch;
+  float* m2 = t.scratch;
   float* sums = t.scratch + mp;
-  for (int64_t i = 0; i < mp; ++i) m[i] = i < t.queries ? row_max[i] : 0.0f;
-  LazyScores(t, logit, m, sums);
+  for (int64_t i = 0; i < mp; ++i) m2[i] = i < t.queries ? row_max[i] * poly::kLog2e : 0.0f;
+  LazyScores(t, ExponentOp(t), m2, sums);
   for (int64_t i = 0; i < t.queries; ++i) {
     if (!(sums[i] <= kLazySumLimit)) return false;  // a NaN fails too
   }
@@ -281,8 +296,7 @@ bool TryLazyStep(const TileArgs& t, const LogitOp& logit, float* row_max, float*
 }
 
 void ForwardTile(const TileArgs& t, float* row_max, float* row_sum, float* alpha) {
-  const LogitOp logit(t);
-  if (TryLazyStep(t, logit, row_max, row_sum, alpha)) return;
+  if (TryLazyStep(t, row_max, row_sum, alpha)) return;
   ScoresT(t);
   SoftmaxColumns(t, row_max, row_sum, alpha);
 }

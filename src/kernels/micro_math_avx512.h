@@ -10,14 +10,14 @@
 
 namespace ringsplash::kernels::micro {
 
-// 2^f for f in [-0.5, 0.5]: degree-5 minimax polynomial (relative error
-// 7.5e-8 in exact arithmetic, ~2e-7 with f32 coefficients and FMA Horner).
+// 2^f for f in [-0.5, 0.5] by the kExp2 polynomial (micro_poly.h).
 inline __m512 Exp2Poly512(__m512 f) {
-  __m512 y = _mm512_fmadd_ps(_mm512_set1_ps(1.32764720e-3f), f, _mm512_set1_ps(9.67554133e-3f));
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(5.55071327e-2f));
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(2.40221197e-1f));
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(6.93146967e-1f));
-  return _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.0f));
+  using namespace poly;
+  __m512 y = _mm512_fmadd_ps(_mm512_set1_ps(kExp2[0]), f, _mm512_set1_ps(kExp2[1]));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(kExp2[2]));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(kExp2[3]));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(kExp2[4]));
+  return _mm512_fmadd_ps(y, f, _mm512_set1_ps(kExp2[5]));
 }
 
 // Results in the subnormal range cost a microcode assist per instruction on
@@ -28,11 +28,15 @@ inline __m512 Exp2Poly512(__m512 f) {
 // 2^x, x = n + f with n = round(x) (adding 1.5 * 2^23 rounds to an integer),
 // 2^f by Exp2Poly512, then scalef by 2^n. x is first clamped to >= -125, so
 // the result is a normal number >= 2^-125.5 (never 0: callers zero masked
-// lanes themselves), -inf gives that too, x >= 128 gives +inf and NaN stays
-// NaN. 10 instructions — the softmax inner loop of the fused kernels.
+// lanes themselves), -inf gives that too and x >= 128 gives +inf. A NaN
+// gives 2^-125 too (max returns its second operand when one is NaN); none
+// arrives: inputs are finite by then (attention.cc cleans non-finite ones),
+// so x = s * c - shift is finite or +-inf. 10 instructions — the softmax
+// inner loop of the fused kernels.
 inline __m512 Exp2Raw512(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-125.0f));
-  const __m512 magic = _mm512_set1_ps(12582912.0f);
+  using namespace poly;
+  x = _mm512_max_ps(x, _mm512_set1_ps(kExp2Min));
+  const __m512 magic = _mm512_set1_ps(kRoundMagic);
   const __m512 n = _mm512_sub_ps(_mm512_add_ps(x, magic), magic);
   return _mm512_scalef_ps(Exp2Poly512(_mm512_sub_ps(x, n)), n);
 }

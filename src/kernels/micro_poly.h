@@ -20,6 +20,16 @@ inline constexpr float kExp[6] = {8.29765508e-3f, 4.19153820e-2f, 1.66675747e-1f
 inline constexpr float kExpMin = -86.0f;
 inline constexpr float kExpMax = 88.7f;
 
+// 2^f for f in [-0.5, 0.5] (the base-2 exps of the fused kernels): degree-5
+// minimax polynomial, highest degree first (Horner); relative error 7.5e-8
+// in exact arithmetic, ~2e-7 with f32 coefficients and FMA. kExp2Min: the
+// clamp that keeps 2^x a normal number (>= 2^-125.5), kRoundMagic = 1.5 *
+// 2^23: (x + kRoundMagic) - kRoundMagic rounds |x| < 2^22 to an integer.
+inline constexpr float kExp2[6] = {1.32764720e-3f, 9.67554133e-3f, 5.55071327e-2f,
+                                   2.40221197e-1f, 6.93146967e-1f, 1.0f};
+inline constexpr float kExp2Min = -125.0f;
+inline constexpr float kRoundMagic = 12582912.0f;
+
 // tanh(x) = x P(x^2) / Q(x^2) on [-kTanhClamp, kTanhClamp] (beyond, tanh
 // rounds to +-1 in f32): the minimax form Eigen uses for float, highest
 // degree first; x itself for |x| < kTanhTiny, where tanh(x) = x in f32.
