@@ -1,7 +1,7 @@
 // AVX-512 f32 micro-kernel table (compiled with -mavx512f/bw/vl/dq -mfma;
 // used only after runtime detection, see micro.h) and the row copy. The GEMM
 // building blocks live in micro_avx512.h, the fused transposed-layout tile
-// kernels in micro_fused_avx512.cc.
+// kernels in micro_fused_avx512.h/.cc and micro_fused_bwd_avx512.cc.
 // GCC 12's AVX-512 intrinsic headers initialise "undefined" operands from
 // themselves, which -W(maybe-)uninitialized reports at every inlined use (GCC
 // bug 105593, fixed in later releases); the warning is meaningless here.

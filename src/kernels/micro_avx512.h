@@ -1,5 +1,6 @@
 // Internals shared by the AVX-512 micro-kernel translation units
-// (micro_avx512.cc, micro_fused_avx512.cc, micro_avx512_bf16.cc): the
+// (micro_avx512.cc, micro_fused_avx512.cc, micro_fused_bwd_avx512.cc,
+// micro_avx512_bf16.cc): the
 // register-blocked f32 GEMM building blocks and the functions one unit puts
 // into another's table. Include only from units compiled with AVX-512 flags.
 //
@@ -140,7 +141,8 @@ class NonFiniteCheck {
   __m512i worst_ = _mm512_setzero_si512();
 };
 
-// Transposed-layout tile kernels (micro_fused_avx512.cc).
+// Transposed-layout tile kernels (micro_fused_avx512.cc; BackwardTile in
+// micro_fused_bwd_avx512.cc).
 namespace avx512 {
 bool TransposeF32(int64_t rows, int64_t cols, const float* src, int64_t lds, float* dst,
                   int64_t ldd);

@@ -1,6 +1,5 @@
-// Fused transposed-layout tile kernels (micro.h TileArgs) for AVX-512:
-// S^T = K Q^T is computed one register block (6 keys x 64 queries) at a
-// time and the softmax work is done while the block is still in registers.
+// Fused forward tile kernels for AVX-512 (building blocks and the block
+// loop in micro_fused_avx512.h), with the Q^T transpose and the mask bits.
 //
 // Forward (lazy rescaling): once a query has a finite reference max m_i (its
 // running max after an exact step), the next tiles need no max pass at all:
@@ -10,10 +9,6 @@
 // than ~14 above m_i: rare after the first tile) or is not finite is the tile
 // recomputed with the exact two-pass step, which then also raises m_i. The
 // first tile of every query takes the exact step.
-//
-// Backward: lse is known, so P^T = 2^(x * log2 e - lse * log2 e) is always
-// fused into the S^T block, and dS^T = scale P^T (dP^T - delta) into the
-// dP^T = V dO^T block.
 // GCC 12's AVX-512 intrinsic headers initialise "undefined" operands from
 // themselves, which -W(maybe-)uninitialized reports at every inlined use (GCC
 // bug 105593, fixed in later releases); the warning is meaningless here.
@@ -21,11 +16,12 @@
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #endif
+#include "src/kernels/micro_fused_avx512.h"
+
 #include <immintrin.h>
 
 #include <algorithm>
 #include <cstdint>
-#include <limits>
 
 #include "src/kernels/micro.h"
 #include "src/kernels/micro_avx512.h"
@@ -34,74 +30,6 @@
 
 namespace ringsplash::kernels::micro::avx512 {
 namespace {
-
-constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-using poly::kLog2e;
-
-inline __mmask16 LaneMask(int64_t lanes) {
-  return lanes >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << lanes) - 1u);
-}
-
-// Allowed lanes of key j for the 16 queries from i0 (a multiple of 16).
-inline __mmask16 Allowed16(const TileArgs& t, int64_t j, int64_t i0) {
-  return t.mask[j * t.ldm + i0 / 16];
-}
-
-// Register blocks of C[rows x mp] = A[rows x k] B[k x mp] (A row-major with
-// leading dimension lda, B with ldb), each handed to epi.Apply(acc, j0, i0)
-// (rows j0.., lanes i0..) instead of being stored. With mask bits, only the
-// span of 16-lane vectors of a block that holds an allowed pair is computed;
-// the vectors outside it are handed to epi.Zero (outputs 0) — this is what
-// keeps the diagonal of causal masks and the edges of sliding windows from
-// costing full tiles.
-template <class Epilogue>
-void Blocks(int64_t rows, int64_t mp, int64_t k, const float* a, int64_t lda, const float* b,
-            int64_t ldb, const uint16_t* bits, int64_t ldm, Epilogue& epi) {
-  auto panel = [&]<int MR, int NV>(int64_t i0) {
-    ForEachRowBlock<MR>(rows, [&](int64_t j0, auto r) {
-      constexpr int R = decltype(r)::value;
-      int v_lo = 0, v_hi = NV;
-      if (bits != nullptr) {
-        unsigned live = 0;
-        RINGSPLASH_UNROLL
-        for (int row = 0; row < R; ++row) {
-          const uint16_t* w = bits + (j0 + row) * ldm + i0 / 16;
-          RINGSPLASH_UNROLL
-          for (int v = 0; v < NV; ++v) live |= w[v] != 0 ? 1u << v : 0u;
-        }
-        if (live == 0) {
-          epi.Zero(j0, R, i0, NV);
-          return;
-        }
-        v_lo = __builtin_ctz(live);
-        v_hi = 32 - __builtin_clz(live);
-        if (v_lo > 0) epi.Zero(j0, R, i0, v_lo);
-        if (v_hi < NV) epi.Zero(j0, R, i0 + 16 * v_hi, NV - v_hi);
-      }
-      const int64_t first = i0 + 16 * v_lo;
-      WithCount<NV>(v_hi - v_lo, [&](auto c) {
-        constexpr int C = decltype(c)::value;
-        __m512 acc[R][C];
-        ZeroBlock(acc);
-        MultiplyBlock<R, C, ALayout::kRowMajor>(k, a + j0 * lda, lda, 1, b + first, ldb, acc);
-        epi.template Apply<R, C>(acc, j0, first);
-      });
-    });
-  };
-  int64_t i = 0;
-  for (; i + 64 <= mp; i += 64) panel.template operator()<6, 4>(i);
-  for (; i + 32 <= mp; i += 32) panel.template operator()<8, 2>(i);
-  for (; i + 16 <= mp; i += 16) panel.template operator()<8, 1>(i);
-}
-
-// Stores zeros over rows [j0, j0 + rows) x `vectors` vectors from lane i0.
-inline void ZeroVectors(float* out, int64_t ld, int64_t j0, int rows, int64_t i0, int vectors) {
-  for (int r = 0; r < rows; ++r) {
-    for (int v = 0; v < vectors; ++v) {
-      _mm512_storeu_ps(out + (j0 + r) * ld + i0 + 16 * v, _mm512_setzero_ps());
-    }
-  }
-}
 
 // Natural logit of the raw product (scale, then the soft cap).
 struct LogitOp {
@@ -116,28 +44,6 @@ struct LogitOp {
     __m512 x = _mm512_mul_ps(s, scale);
     if (capped) x = _mm512_mul_ps(cap, Tanh512(_mm512_mul_ps(x, inv_cap)));
     return x;
-  }
-};
-
-// Shifted base-2 exponent x * log2 e - shift2 of a raw product: one FMA
-// without a soft cap; with one, tanh(s * scale / cap) is also returned in
-// *th (the backward needs 1 - th^2).
-template <bool kCapped>
-struct ExponentOp {
-  __m512 c2;       // scale * log2 e                 (no cap)
-  __m512 in, out;  // scale / cap and cap * log2 e  (cap)
-  explicit ExponentOp(const TileArgs& t)
-      : c2(_mm512_set1_ps(t.scale * kLog2e)),
-        in(_mm512_set1_ps(kCapped ? t.scale / t.softcap : 0.0f)),
-        out(_mm512_set1_ps(t.softcap * kLog2e)) {}
-  RINGSPLASH_INLINE __m512 operator()(__m512 s, __m512 shift2, __m512* th) const {
-    if constexpr (kCapped) {
-      *th = Tanh512(_mm512_mul_ps(s, in));
-      return _mm512_fmsub_ps(*th, out, shift2);
-    } else {
-      (void)th;
-      return _mm512_fmsub_ps(s, c2, shift2);
-    }
   }
 };
 
@@ -279,80 +185,6 @@ void ExpStrip(const TileArgs& t, int64_t i0, __m512 vmax, float* row_max, float*
   _mm512_mask_storeu_ps(row_max + i0, live, m_new);
 }
 
-// --- Backward -------------------------------------------------------------------
-
-// P^T = 2^(x2 - lse2) (0 where masked or lse = -inf), with a cap also
-// deriv^T = 1 - tanh^2.
-template <bool kMasked, bool kCapped>
-struct ProbsEpilogue {
-  const TileArgs& t;
-  const float* lse2;       // [mp] lse * log2 e (0 for queries without keys)
-  const uint16_t* finite;  // [mp / 16] lanes whose lse is finite
-  float* deriv;
-  ExponentOp<kCapped> exponent;
-
-  void Zero(int64_t j0, int rows, int64_t i0, int vectors) {
-    ZeroVectors(t.pt, t.ldp, j0, rows, i0, vectors);
-  }
-
-  template <int R, int NV>
-  RINGSPLASH_INLINE void Apply(__m512 (&acc)[R][NV], int64_t j0, int64_t i0) {
-    RINGSPLASH_UNROLL
-    for (int v = 0; v < NV; ++v) {
-      const int64_t col = i0 + 16 * v;
-      const __m512 shift = _mm512_load_ps(lse2 + col);
-      RINGSPLASH_UNROLL
-      for (int r = 0; r < R; ++r) {
-        const int64_t o = (j0 + r) * t.ldp + col;
-        __m512 th;
-        const __m512 p = Exp2Raw512(exponent(acc[r][v], shift, &th));
-        if constexpr (kCapped) {
-          _mm512_storeu_ps(deriv + o, _mm512_fnmadd_ps(th, th, _mm512_set1_ps(1.0f)));
-        }
-        __mmask16 keep = finite[col / 16];
-        if constexpr (kMasked) keep &= Allowed16(t, j0 + r, col);
-        _mm512_storeu_ps(t.pt + o, _mm512_maskz_mov_ps(keep, p));
-      }
-    }
-  }
-};
-
-// dS^T = scale P^T (dP^T - delta) [* deriv^T] from the dP^T registers.
-template <bool kCapped>
-struct DsEpilogue {
-  const BackwardTileArgs& b;
-  const float* delta;  // [mp]
-  __m512 scale;
-
-  void Zero(int64_t j0, int rows, int64_t i0, int vectors) {
-    ZeroVectors(b.ds, b.t.ldp, j0, rows, i0, vectors);
-  }
-
-  template <int R, int NV>
-  RINGSPLASH_INLINE void Apply(__m512 (&acc)[R][NV], int64_t j0, int64_t i0) {
-    const int64_t ldp = b.t.ldp;
-    RINGSPLASH_UNROLL
-    for (int v = 0; v < NV; ++v) {
-      const int64_t col = i0 + 16 * v;
-      const __m512 dl = _mm512_load_ps(delta + col);
-      RINGSPLASH_UNROLL
-      for (int r = 0; r < R; ++r) {
-        const int64_t o = (j0 + r) * ldp + col;
-        const __m512 sp = _mm512_mul_ps(scale, _mm512_loadu_ps(b.t.pt + o));
-        __m512 ds = _mm512_mul_ps(sp, _mm512_sub_ps(acc[r][v], dl));
-        if constexpr (kCapped) ds = _mm512_mul_ps(ds, _mm512_loadu_ps(b.deriv + o));
-        _mm512_storeu_ps(b.ds + o, ds);
-      }
-    }
-  }
-};
-
-template <bool kMasked, bool kCapped>
-void Probs(const TileArgs& t, int64_t mp, const float* lse2, const uint16_t* finite, float* deriv) {
-  ProbsEpilogue<kMasked, kCapped> epi{t, lse2, finite, deriv, ExponentOp<kCapped>(t)};
-  Blocks(t.keys, mp, t.d, t.k, t.ldk, t.qt, t.ldq, t.mask, t.ldm, epi);
-}
-
 }  // namespace
 
 // 16 x 16 blocks transposed in registers: unpack pairs of rows, then pairs
@@ -489,39 +321,6 @@ void ForwardTile(const TileArgs& t, float* row_max, float* row_sum, float* alpha
   }
   for (int64_t i0 = 0; i0 < mp; i0 += 16) {
     ExpStrip(t, i0, _mm512_load_ps(lane_max + i0), row_max, row_sum, alpha);
-  }
-}
-
-void BackwardTile(const BackwardTileArgs& b) {
-  const TileArgs& t = b.t;
-  const int64_t mp = RoundUp(t.queries, kVec);
-  float* lse2 = t.scratch;
-  float* delta = t.scratch + mp;
-  auto* finite = reinterpret_cast<uint16_t*>(t.scratch + 2 * mp);
-  for (int64_t i0 = 0; i0 < mp; i0 += 16) {
-    const __mmask16 live = LaneMask(t.queries - i0);
-    const __m512 l = _mm512_maskz_loadu_ps(live, b.lse + i0);
-    // Dead lanes and queries without keys (lse = -inf) get P = 0.
-    const __mmask16 keys = _mm512_mask_cmp_ps_mask(live, l, _mm512_set1_ps(kNegInf), _CMP_NEQ_OQ);
-    finite[i0 / 16] = keys;
-    _mm512_store_ps(lse2 + i0, _mm512_maskz_mul_ps(keys, l, _mm512_set1_ps(kLog2e)));
-    _mm512_store_ps(delta + i0, _mm512_maskz_loadu_ps(live, b.delta + i0));
-  }
-  const bool masked = t.mask != nullptr, capped = t.softcap > 0.0f;
-  if (masked) {
-    capped ? Probs<true, true>(t, mp, lse2, finite, b.deriv)
-           : Probs<true, false>(t, mp, lse2, finite, b.deriv);
-  } else {
-    capped ? Probs<false, true>(t, mp, lse2, finite, b.deriv)
-           : Probs<false, false>(t, mp, lse2, finite, b.deriv);
-  }
-  const __m512 scale = _mm512_set1_ps(t.scale);
-  if (capped) {
-    DsEpilogue<true> epi{b, delta, scale};
-    Blocks(t.keys, mp, b.dv, b.v, b.ldv, b.dot, t.ldq, t.mask, t.ldm, epi);
-  } else {
-    DsEpilogue<false> epi{b, delta, scale};
-    Blocks(t.keys, mp, b.dv, b.v, b.ldv, b.dot, t.ldq, t.mask, t.ldm, epi);
   }
 }
 
