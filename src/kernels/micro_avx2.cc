@@ -339,6 +339,24 @@ void BackwardTile(const BackwardTileArgs& b) {
   }
 }
 
+// Running NaN/Inf check over loaded f32 vectors (as NonFiniteCheck in
+// micro_avx512.h): the max of |bits| reaches the infinity pattern (exponent
+// all ones) iff some value was a NaN or an infinity.
+class NonFiniteCheck {
+ public:
+  RINGSPLASH_INLINE void Add(__m256 v) {
+    worst_ = _mm256_max_epi32(
+        worst_, _mm256_and_si256(_mm256_castps_si256(v), _mm256_set1_epi32(0x7FFFFFFF)));
+  }
+  bool Any() const {
+    const __m256i inf = _mm256_set1_epi32(0x7F800000);
+    return _mm256_movemask_epi8(_mm256_cmpgt_epi32(inf, worst_)) != -1;
+  }
+
+ private:
+  __m256i worst_ = _mm256_setzero_si256();
+};
+
 // Rows this far ahead are requested while a row is copied (as in the
 // AVX-512 copy: the rows are strided by other heads, which the hardware
 // prefetchers do not follow).
@@ -346,10 +364,7 @@ constexpr int64_t kPrefetchRows = 8;
 
 bool CopyRowsF32(const float* src, int64_t lds, int64_t rows, int64_t cols, float* dst,
                  int64_t ldd) {
-  // Running max of |bits|: reaches the infinity pattern iff a value was a
-  // NaN or an infinity (lanes beyond `cols` load as 0).
-  __m256i worst = _mm256_setzero_si256();
-  const __m256i abs_mask = _mm256_set1_epi32(0x7FFFFFFF);
+  NonFiniteCheck check;  // lanes beyond `cols` load as 0
   for (int64_t r = 0; r < rows; ++r) {
     if (r + kPrefetchRows < rows) {
       const char* ahead = reinterpret_cast<const char*>(src + (r + kPrefetchRows) * lds);
@@ -364,7 +379,7 @@ bool CopyRowsF32(const float* src, int64_t lds, int64_t rows, int64_t cols, floa
       const __m256 v = left >= 8  ? _mm256_loadu_ps(s + c)
                        : left > 0 ? _mm256_maskload_ps(s + c, FirstLanes(left))
                                   : _mm256_setzero_ps();
-      worst = _mm256_max_epi32(worst, _mm256_and_si256(_mm256_castps_si256(v), abs_mask));
+      check.Add(v);
       if (ldd - c >= 8) {
         _mm256_storeu_ps(d + c, v);
       } else {
@@ -372,20 +387,18 @@ bool CopyRowsF32(const float* src, int64_t lds, int64_t rows, int64_t cols, floa
       }
     }
   }
-  const __m256i inf = _mm256_set1_epi32(0x7F800000);
-  return _mm256_movemask_epi8(_mm256_cmpgt_epi32(inf, worst)) != -1;
+  return check.Any();
 }
 
 // 8 x 8 blocks transposed in registers: unpack pairs of rows, shuffle pairs
 // of 64-bit pairs, then swap 128-bit halves. Each 8-row strip reads its rows
 // front to back (the portable loop walked a column down every row at once,
 // 128 strided cache lines, and took ~12% of a sliding-window forward). The
-// loaded values are checked for NaN/Inf as in CopyRowsF32 (lanes beyond
-// `cols` and rows beyond `rows` load as 0).
+// loaded values go through NonFiniteCheck (lanes beyond `cols` and rows
+// beyond `rows` load as 0).
 bool TransposeF32(int64_t rows, int64_t cols, const float* src, int64_t lds, float* dst,
                   int64_t ldd) {
-  __m256i worst = _mm256_setzero_si256();
-  const __m256i abs_mask = _mm256_set1_epi32(0x7FFFFFFF);
+  NonFiniteCheck check;
   for (int64_t r0 = 0; r0 < rows; r0 += 8) {
     const int64_t nr = std::min<int64_t>(8, rows - r0);
     for (int64_t c0 = 0; c0 < cols; c0 += 8) {
@@ -398,7 +411,7 @@ bool TransposeF32(int64_t rows, int64_t cols, const float* src, int64_t lds, flo
         r[i] = i >= nr   ? _mm256_setzero_ps()
                : nc == 8 ? _mm256_loadu_ps(s)
                          : _mm256_maskload_ps(s, in);
-        worst = _mm256_max_epi32(worst, _mm256_and_si256(_mm256_castps_si256(r[i]), abs_mask));
+        check.Add(r[i]);
       }
       RINGSPLASH_UNROLL
       for (int i = 0; i < 4; ++i) {
@@ -426,8 +439,7 @@ bool TransposeF32(int64_t rows, int64_t cols, const float* src, int64_t lds, flo
   for (int64_t c = 0; c < cols; ++c) {
     for (int64_t r = done; r < ldd; ++r) dst[c * ldd + r] = 0.0f;
   }
-  const __m256i inf = _mm256_set1_epi32(0x7F800000);
-  return _mm256_movemask_epi8(_mm256_cmpgt_epi32(inf, worst)) != -1;
+  return check.Any();
 }
 
 }  // namespace
