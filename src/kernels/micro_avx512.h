@@ -1,8 +1,8 @@
 // Internals shared by the AVX-512 micro-kernel translation units
 // (micro_avx512.cc, micro_fused_avx512.cc, micro_fused_bwd_avx512.cc,
-// micro_avx512_bf16.cc): the
-// register-blocked f32 GEMM building blocks and the functions one unit puts
-// into another's table. Include only from units compiled with AVX-512 flags.
+// micro_avx512_bf16.cc): the register-blocked f32 GEMM building blocks and
+// the functions one unit puts into another's table. Include only from units
+// compiled with AVX-512 flags.
 //
 // A block is MR rows x NV vectors of 16 columns held in MR * NV zmm
 // accumulators (6 x 4 = 24 or 8 x 2 = 16). Per step p the NV vectors of B's
