@@ -1,5 +1,5 @@
 // Fault injection and determinism through the command line (issue #6.3, 6.5):
-// `ringsplash attend` with RINGSPLASH_FAULT=RANK:STEP[:bwd] set, on the
+// `ringsplash attend` with RINGSPLASH_FAULT=RANK:STEP[:fwd|:bwd] set, on the
 // threads backend (--ranks 3) and under `mpirun -np 3` (--backend mpi).
 // For every injected fault:
 //   - the run (every rank, under MPI) exits with status 1 — not 0, not a
@@ -146,6 +146,8 @@ Timed RunAttend(const ScratchDir& dir, Mpirun how, const std::string& fault,
                                "\"$0\" \"$@\"; s=$?; echo $s > '" + status_dir +
                                    "'/status.$OMPI_COMM_WORLD_RANK; exit $s"});
     }
+#else
+    (void)status_dir;  // built without MPI: no test runs mpirun
 #endif
   } else {
     argv = {"env", fault.empty() ? "-u" : "RINGSPLASH_FAULT=" + fault};
@@ -174,19 +176,6 @@ std::string Join(const std::vector<std::string>& v) {
   std::string s;
   for (const std::string& x : v) s += (s.empty() ? "" : ", ") + x;
   return s;
-}
-
-// The error lines of each rank under mpirun --tag-output
-// ("[job,rank]<stderr>:ringsplash attend: ...").
-std::map<int, std::string> ErrorLinesByRank(const CommandResult& r) {
-  const std::regex line(R"(\[\d+,(\d+)\]<stderr>:ringsplash attend: (.*))");
-  std::map<int, std::string> by_rank;
-  const std::string text = r.err + r.out;
-  for (auto it = std::sregex_iterator(text.begin(), text.end(), line); it != std::sregex_iterator();
-       ++it) {
-    by_rank[std::stoi((*it)[1])] = (*it)[2];
-  }
-  return by_rank;
 }
 
 // Common to every faulted run: it ended by itself, in time, left nothing.
@@ -248,6 +237,19 @@ TEST(FaultCli, ThreadsWithoutFaultSucceedsDeterministically) {
 }
 
 #ifdef RINGSPLASH_MPIEXEC
+// The error lines of each rank under mpirun --tag-output
+// ("[job,rank]<stderr>:ringsplash attend: ...").
+std::map<int, std::string> ErrorLinesByRank(const CommandResult& r) {
+  const std::regex line(R"(\[\d+,(\d+)\]<stderr>:ringsplash attend: (.*))");
+  std::map<int, std::string> by_rank;
+  const std::string text = r.err + r.out;
+  for (auto it = std::sregex_iterator(text.begin(), text.end(), line); it != std::sregex_iterator();
+       ++it) {
+    by_rank[std::stoi((*it)[1])] = (*it)[2];
+  }
+  return by_rank;
+}
+
 class FaultMpiTest : public ::testing::TestWithParam<Fault> {};
 
 // Every rank notices the failure by itself: exit status 1 and an error line
