@@ -28,10 +28,12 @@ double PortableFma(int64_t iters) {
   return static_cast<double>(iters) * kChains * 2;
 }
 
+#if defined(__x86_64__)
 bool Supports(KernelPath path) {
   const std::vector<KernelPath> paths = SupportedKernelPaths();
   return std::find(paths.begin(), paths.end(), path) != paths.end();
 }
+#endif
 
 // GFLOP/s of `loop` running on `threads` threads at once for `seconds`.
 double MeasureLoop(double (*loop)(int64_t), int threads, double seconds) {
@@ -66,6 +68,7 @@ double MeasureLoop(double (*loop)(int64_t), int threads, double seconds) {
 Peak MeasurePeak(DType dtype, int threads, double seconds) {
   Peak peak;
   peak.threads = std::max(1, threads);
+#if defined(__x86_64__)
   const bool avx512 = Supports(KernelPath::kAvx512) || Supports(KernelPath::kAvx512Bf16);
   if (!avx512 && Supports(KernelPath::kAvx2)) {
     // bf16 data runs as f32 FMAs on this path (no bf16 dot product).
@@ -73,23 +76,26 @@ Peak MeasurePeak(DType dtype, int threads, double seconds) {
     peak.gflops = MeasureLoop(peak_detail::FmaF32Avx2, peak.threads, seconds);
     return peak;
   }
-  if (!avx512) {
-    peak.method = "portable scalar fma";
-    peak.gflops = MeasureLoop(PortableFma, peak.threads, seconds);
+  if (avx512) {
+    peak.method = "avx512 fmadd_ps";
+    peak.gflops = MeasureLoop(peak_detail::FmaF32Avx512, peak.threads, seconds);
+    // bf16 data can run on either instruction (converted to f32 for FMA, or
+    // vdpbf16ps directly); its peak is the faster of the two, so a kernel on
+    // either path never exceeds 100 % of it.
+    if (dtype == DType::kBF16 && Supports(KernelPath::kAvx512Bf16)) {
+      const double dp = MeasureLoop(peak_detail::DpBf16Avx512, peak.threads, seconds);
+      if (dp > peak.gflops) {
+        peak.gflops = dp;
+        peak.method = "avx512 dpbf16_ps";
+      }
+    }
     return peak;
   }
-  peak.method = "avx512 fmadd_ps";
-  peak.gflops = MeasureLoop(peak_detail::FmaF32Avx512, peak.threads, seconds);
-  // bf16 data can run on either instruction (converted to f32 for FMA, or
-  // vdpbf16ps directly); its peak is the faster of the two, so a kernel on
-  // either path never exceeds 100 % of it.
-  if (dtype == DType::kBF16 && Supports(KernelPath::kAvx512Bf16)) {
-    const double dp = MeasureLoop(peak_detail::DpBf16Avx512, peak.threads, seconds);
-    if (dp > peak.gflops) {
-      peak.gflops = dp;
-      peak.method = "avx512 dpbf16_ps";
-    }
-  }
+#endif
+  // No AVX2 (or not x86-64, where only the portable path is built).
+  (void)dtype;
+  peak.method = "portable scalar fma";
+  peak.gflops = MeasureLoop(PortableFma, peak.threads, seconds);
   return peak;
 }
 

@@ -7,7 +7,8 @@
 // (bf16 data can be computed either way). Without AVX-512 but with AVX2:
 // _mm256_fmadd_ps (8 lanes x 2 FLOP). Without either: a portable scalar
 // loop, which is what a portable build could reach. Dispatch is at run time
-// (SupportedKernelPaths), so one binary runs on any x86-64.
+// (SupportedKernelPaths), so one binary runs on any x86-64. Builds for other
+// processors have only the portable loop (the AVX files are not compiled).
 #ifndef RINGSPLASH_TOOLS_PEAK_H_
 #define RINGSPLASH_TOOLS_PEAK_H_
 

@@ -1,7 +1,9 @@
 // CPU detection and the KernelPath functions of ringsplash/attention.h.
 #include "src/kernels/cpu_features.h"
 
+#if defined(__x86_64__)
 #include <cpuid.h>
+#endif
 
 #include <cstdint>
 #include <cstdlib>
@@ -14,6 +16,8 @@
 namespace ringsplash {
 namespace kernels {
 namespace {
+
+#if defined(__x86_64__)
 
 // XCR0: which register states the OS saves on context switch. AVX-512 needs
 // SSE (bit 1), AVX (bit 2), opmask (5), ZMM_Hi256 (6) and Hi16_ZMM (7).
@@ -57,6 +61,14 @@ CpuFeatures Detect() {
   f.fast_bf16_dot = f.avx512_bf16 && amd;
   return f;
 }
+
+#else
+
+// Not x86-64 (aarch64, ...): the AVX kernels are not built (CMakeLists.txt),
+// so only the portable path exists.
+CpuFeatures Detect() { return CpuFeatures{}; }
+
+#endif
 
 bool Supported(KernelPath path) {
   const CpuFeatures& f = DetectCpuFeatures();

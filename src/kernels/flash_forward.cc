@@ -17,7 +17,9 @@
 // (KvTileCache: sliding windows, short rows). Per-thread scratch lives as
 // long as its thread (pool threads persist), so a call allocates nothing per
 // tile and, without a per-call copy, nothing of size O(S).
+#if defined(__x86_64__)
 #include <immintrin.h>  // SSE2 non-temporal stores (x86-64 baseline)
+#endif
 
 #include <algorithm>
 #include <atomic>
@@ -95,8 +97,10 @@ struct Workspace {
 // written with non-temporal stores: a large output is written once and not
 // read back by the kernel, so fetching its lines first (read for ownership)
 // would double the memory traffic of the last step (~5 % of a sliding-window
-// forward at S = 32768). The caller orders them with a fence (_mm_sfence).
+// forward at S = 32768). The caller orders them with StreamFence().
+// (Other architectures get ordinary stores.)
 void ScaleRow(float* dst, const float* src, int64_t n, float s, bool stream) {
+#if defined(__x86_64__)
   if (stream && reinterpret_cast<uintptr_t>(dst) % 16 == 0) {
     const __m128 vs = _mm_set1_ps(s);
     int64_t c = 0;
@@ -104,7 +108,17 @@ void ScaleRow(float* dst, const float* src, int64_t n, float s, bool stream) {
     for (; c < n; ++c) dst[c] = src[c] * s;
     return;
   }
+#else
+  (void)stream;
+#endif
   for (int64_t c = 0; c < n; ++c) dst[c] = src[c] * s;
+}
+
+// Orders ScaleRow's non-temporal stores before the task's results are used.
+void StreamFence() {
+#if defined(__x86_64__)
+  _mm_sfence();
+#endif
 }
 
 // out = acc / l and lse = m + log(l) for the task's rows (0 and -inf for a
@@ -231,7 +245,7 @@ class ForwardCall {
       st.skipped += g_.nkvb - walks[i].computed;
       FinishRows(g_, b, h, qb0 + i, g_.QRows(qb0 + i), ws.blocks[i], merge_, stream_, out_, lse_);
     }
-    if (stream_) _mm_sfence();
+    if (stream_) StreamFence();
   }
 
   // Packs q block qb as Q^T, checks its rows, resets its softmax state and

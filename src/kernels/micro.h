@@ -174,7 +174,7 @@ const MicroKernels& Avx512MicroKernels();      // call only if DetectCpuFeatures
 const MicroKernels& Avx512Bf16MicroKernels();  // call only if ....avx512_bf16
 // The table for a resolved path (kAuto is treated as kPortable). Only for a
 // path the CPU supports: the AVX2 and AVX-512 tables are built by code
-// compiled for those instruction sets.
+// compiled for those instruction sets, and exist only in x86-64 builds.
 const MicroKernels& MicroKernelsFor(KernelPath path);
 
 }  // namespace ringsplash::kernels::micro

@@ -194,6 +194,7 @@ const MicroKernels& PortableMicroKernels() {
 }
 
 const MicroKernels& MicroKernelsFor(KernelPath path) {
+#if defined(__x86_64__)
   switch (path) {
     case KernelPath::kAvx2:
       return Avx2MicroKernels();
@@ -205,6 +206,10 @@ const MicroKernels& MicroKernelsFor(KernelPath path) {
     case KernelPath::kPortable:
       break;
   }
+#else
+  // Elsewhere the x86 tables are not built; ResolveKernelPath never yields them.
+  (void)path;
+#endif
   return PortableMicroKernels();
 }
 
