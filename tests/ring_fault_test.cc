@@ -29,6 +29,10 @@ TEST(FaultSpecTest, Parses) {
   EXPECT_EQ(f.rank, 0);
   EXPECT_EQ(f.step, 1);
   EXPECT_TRUE(f.backward);
+  f = FaultSpec::Parse("1:4:fwd");  // the forward, spelled out
+  EXPECT_EQ(f.rank, 1);
+  EXPECT_EQ(f.step, 4);
+  EXPECT_FALSE(f.backward);
   for (const char* bad : {"", "1", "1:", ":1", "a:1", "1:2:3", "-1:2", "1:2:back", "1:2:bwd:x"}) {
     EXPECT_THROW(FaultSpec::Parse(bad), Error) << "'" << bad << "'";
   }

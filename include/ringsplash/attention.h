@@ -52,9 +52,9 @@ struct AttentionOptions {
   BlockSizes block_sizes;
   // 0: all hardware threads; at most 1024. Worker threads are kept between
   // calls (a pool per thread count and concurrent caller), each with a few MiB
-  // of scratch sized to its L2 cache (packed q blocks, copies of the kv tiles
-  // and q tiles it used last), so repeated calls allocate nothing per tile;
-  // ReleaseCachedThreads() ends them.
+  // of scratch in fixed budgets chosen for a 2 MiB L2 (packed q blocks, ~1.25
+  // MiB of kv tile copies and 2 MiB of backward q tiles it used last), so
+  // repeated calls allocate nothing per tile; ReleaseCachedThreads() ends them.
   int num_threads = 0;
   KernelPath kernel_path = KernelPath::kAuto;
 };

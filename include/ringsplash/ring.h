@@ -35,12 +35,12 @@ void ShardSequence(Layout layout, int rank, int num_ranks, const TensorView& glo
 void GatherSequence(Layout layout, int rank, int num_ranks, const TensorView& local,
                     const TensorView& global, int seq_dim = 1);
 
-// Which rank fails, where — for fault-injection tests (RINGSPLASH_FAULT=R:S[:bwd]).
+// Which rank fails, where — for fault-injection tests (RINGSPLASH_FAULT=R:S[:fwd|:bwd]).
 struct FaultSpec {
   int rank = -1;
   int step = -1;
   bool backward = false;
-  // Parses "R:S" or "R:S:bwd"; throws Error on anything else.
+  // Parses "R:S", "R:S:fwd" (the same) or "R:S:bwd"; throws Error on anything else.
   static FaultSpec Parse(const std::string& text);
   // From the environment variable RINGSPLASH_FAULT, if set.
   static std::optional<FaultSpec> FromEnv();

@@ -1,4 +1,4 @@
-// Fault injection for tests of failure handling (RINGSPLASH_FAULT=R:S[:bwd]):
+// Fault injection for tests of failure handling (RINGSPLASH_FAULT=R:S[:fwd|:bwd]):
 // the named rank fails at the named ring step, after telling its peers.
 #include <cstdlib>
 #include <optional>
@@ -39,8 +39,8 @@ FaultSpec FaultSpec::Parse(const std::string& text) {
                   (b == std::string::npos || pass == "bwd" || pass == "fwd");
   if (!ok) {
     Fail(
-        "fault spec (RINGSPLASH_FAULT): expected RANK:STEP or RANK:STEP:bwd with non-negative "
-        "integers, got '",
+        "fault spec (RINGSPLASH_FAULT): expected RANK:STEP, RANK:STEP:fwd or RANK:STEP:bwd with "
+        "non-negative integers, got '",
         text, "'");
   }
   spec.backward = pass == "bwd";
