@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Installs the Debian packages ringsplash needs to build, test and benchmark.
+# Installs the Debian packages ringsplash needs to build, test and benchmark,
+# or, given package names, those instead (scripts/cross_test.sh). A NAME:ARCH
+# package first enables Debian multiarch for ARCH.
 # Idempotent: skips apt entirely when everything is already there.
 set -euo pipefail
 packages=(
@@ -9,6 +11,7 @@ packages=(
   libcli11-dev nlohmann-json3-dev               # the command line and its JSON output
   gnuplot-nox python3 time                      # docs/PERFORMANCE.md: plot, bench/run_targets.py, /usr/bin/time -v
 )
+[ $# -eq 0 ] || packages=("$@")
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -21,5 +24,11 @@ echo "install_deps: installing ${missing[*]}"
 SUDO=""
 [ "$(id -u)" -eq 0 ] || SUDO="sudo"
 export DEBIAN_FRONTEND=noninteractive
+for p in "${missing[@]}"; do
+  arch=${p#*:}
+  [ "$arch" != "$p" ] || continue
+  dpkg --print-foreign-architectures | grep -qx "$arch" || $SUDO dpkg --add-architecture "$arch"
+done
 $SUDO apt-get update -qq
-$SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
+# --no-remove: a multiarch install must never replace the host's packages.
+$SUDO apt-get install -y -qq --no-install-recommends --no-remove "${missing[@]}"
