@@ -117,6 +117,8 @@ RefBackward ReferenceBackward(const RefProblem& p, const std::vector<double>& do
   g.dq.assign(p.q.size(), 0.0);
   g.dk.assign(p.k.size(), 0.0);
   g.dv.assign(p.v.size(), 0.0);
+  g.dq_terms.assign(p.q.size(), 0.0);
+  g.dk_terms.assign(p.k.size(), 0.0);
   if (!p.sinks.empty()) {
     g.dsinks.assign(static_cast<size_t>(p.h), 0.0);
     g.dsinks_terms.assign(static_cast<size_t>(p.h), 0.0);
@@ -132,8 +134,12 @@ RefBackward ReferenceBackward(const RefProblem& p, const std::vector<double>& do
         ComputeRow(p, b, h, i, row);
         const double* o = &f.out[OIdx(p, b, i, h)];
         const double* dO = &dout[OIdx(p, b, i, h)];
-        double di = 0;  // D_i = dout_i . out_i
-        for (int64_t e = 0; e < p.dv; ++e) di += dO[e] * o[e];
+        double di = 0;      // D_i = dout_i . out_i
+        double di_abs = 0;  // its terms' magnitudes
+        for (int64_t e = 0; e < p.dv; ++e) {
+          di += dO[e] * o[e];
+          di_abs += std::abs(dO[e] * o[e]);
+        }
         if (!p.sinks.empty()) {
           const double term = std::exp(p.sinks[h] - lse) * di;
           g.dsinks[h] -= term;
@@ -141,23 +147,32 @@ RefBackward ReferenceBackward(const RefProblem& p, const std::vector<double>& do
         }
         const double* q = &p.q[QIdx(p, b, i, h)];
         double* dq = &g.dq[QIdx(p, b, i, h)];
+        double* dq_terms = &g.dq_terms[QIdx(p, b, i, h)];
         for (int64_t j = 0; j < p.skv; ++j) {
           if (!row.allowed[j]) continue;
           const double pij = std::exp(row.s[j] - lse);
           const double* v = &p.v[VIdx(p, b, j, kvh)];
-          double dp = 0;  // dout_i . v_j
-          for (int64_t e = 0; e < p.dv; ++e) dp += dO[e] * v[e];
+          double dp = 0, dp_abs = 0;  // dout_i . v_j and its terms' magnitudes
+          for (int64_t e = 0; e < p.dv; ++e) {
+            dp += dO[e] * v[e];
+            dp_abs += std::abs(dO[e] * v[e]);
+          }
           double ds = pij * (dp - di);
+          double ds_abs = pij * (dp_abs + di_abs);
           if (p.softcap > 0) {
             const double t = std::tanh(row.raw[j] / p.softcap);
             ds *= 1.0 - t * t;
+            ds_abs *= 1.0 - t * t;
           }
           const double* k = &p.k[KIdx(p, b, j, kvh)];
           double* dk = &g.dk[KIdx(p, b, j, kvh)];
           double* dv = &g.dv[VIdx(p, b, j, kvh)];
+          double* dk_terms = &g.dk_terms[KIdx(p, b, j, kvh)];
           for (int64_t d = 0; d < p.d; ++d) {
             dq[d] += scale * ds * k[d];
             dk[d] += scale * ds * q[d];
+            dq_terms[d] += std::abs(scale * ds_abs * k[d]);
+            dk_terms[d] += std::abs(scale * ds_abs * q[d]);
           }
           for (int64_t e = 0; e < p.dv; ++e) dv[e] += pij * dO[e];
         }

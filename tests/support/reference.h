@@ -41,6 +41,13 @@ struct RefBackward {
   // signed terms that may cancel, so its rounding scales with this, not with
   // |dsinks|.
   std::vector<double> dsinks_terms;
+  // Same shapes as dq and dk: the sums of the magnitudes of their terms,
+  // |scale * p_ij * (dout_i . v_j - D_i) * k_j| with both dot products taken
+  // over |.|. A row whose keys' dS cancel (one allowed key: p = 1 and
+  // dout . v - D = 0 exactly) has dq ~ 0 while its f32 rounding is ~u times
+  // these sums, so dq and dk errors are measured against them too.
+  std::vector<double> dq_terms;
+  std::vector<double> dk_terms;
 };
 
 RefForward ReferenceForward(const RefProblem& p);

@@ -316,8 +316,10 @@ Errors ErrorsOf(const ApiResult& api, const RefResult& ref) {
   e.out = Compare(api.out, ref.fwd.out).Relative(kMagnitudeFloor);
   e.lse = Compare(api.lse, ref.fwd.lse).Relative(1.0);
   if (!ref.bwd.dq.empty() || !api.dq.empty()) {
-    e.dq = Compare(api.dq, ref.bwd.dq).Relative(kMagnitudeFloor);
-    e.dk = Compare(api.dk, ref.bwd.dk).Relative(kMagnitudeFloor);
+    e.dq =
+        Compare(api.dq, ref.bwd.dq).Relative(std::max(kMagnitudeFloor, MaxAbs(ref.bwd.dq_terms)));
+    e.dk =
+        Compare(api.dk, ref.bwd.dk).Relative(std::max(kMagnitudeFloor, MaxAbs(ref.bwd.dk_terms)));
     e.dv = Compare(api.dv, ref.bwd.dv).Relative(kMagnitudeFloor);
     double dsinks_scale = kMagnitudeFloor;
     for (double t : ref.bwd.dsinks_terms) dsinks_scale = std::max(dsinks_scale, t);
