@@ -152,7 +152,7 @@ double TilePlan::UsesPerKvTile() const {
 }
 
 KvRows::KvRows(const FlashParams& p, const Geometry& g, KeyFormat keys, double uses,
-               ThreadPool& pool, bool tile_cache)
+               ThreadPool& pool, bool tile_cache, const micro::MicroKernels* checked_copy)
     : g_(g), keys_(keys) {
   id_ = NewCallId();
   const TensorView& k = p.k;
@@ -213,21 +213,39 @@ KvRows::KvRows(const FlashParams& p, const Geometry& g, KeyFormat keys, double u
     v_packed_.Resize(static_cast<size_t>(tiles * v_elems_), /*zero=*/false);
   }
   if (!pack_k && !pack_v) return;
+  // f32 rows of unit stride: the checking copy when asked (same result as
+  // PackRowsF32 with nr_pad = n: rows copied, columns zero padded to ld).
+  k_checked_ = checked_copy != nullptr && pack_k && keys != KeyFormat::kBf16 && k_f32;
+  v_checked_ = checked_copy != nullptr && pack_v && v_f32;
+  if (k_checked_ || v_checked_) packed_bad_.assign(static_cast<size_t>(tiles), 0);
   pool.ParallelFor(tiles, [&](int64_t t, int) {
     const int64_t kvb = t % g.nkvb, kh = (t / g.nkvb) % g.hkv, b = t / (g.nkvb * g.hkv);
     const int64_t n = g.KvRows(kvb);
+    bool bad = false;
     if (pack_k) {
       const Slab ks{&p.k, b, kh, kvb * g.bkv, n, g.d};
       if (keys == KeyFormat::kBf16) {
         PackRowsBf16(ks, k_bf16_.data() + t * k_elems_, d2);
+      } else if (k_checked_) {
+        bad = checked_copy->copy_rows_f32(
+            static_cast<const float*>(k.data) + k.Offset(b, kvb * g.bkv, kh), k.stride[1], n, g.d,
+            k_packed_.data() + t * k_elems_, g.ld_d);
       } else {
         PackRowsF32(ks, k_packed_.data() + t * k_elems_, g.ld_d, n);
       }
     }
     if (pack_v) {
-      PackRowsF32(Slab{&p.v, b, kh, kvb * g.bkv, n, g.dv}, v_packed_.data() + t * v_elems_, g.ld_dv,
-                  n);
+      float* dst = v_packed_.data() + t * v_elems_;
+      if (v_checked_) {
+        bad = checked_copy->copy_rows_f32(
+                  static_cast<const float*>(v.data) + v.Offset(b, kvb * g.bkv, kh), v.stride[1], n,
+                  g.dv, dst, g.ld_dv) ||
+              bad;
+      } else {
+        PackRowsF32(Slab{&p.v, b, kh, kvb * g.bkv, n, g.dv}, dst, g.ld_dv, n);
+      }
     }
+    if (bad) packed_bad_[static_cast<size_t>(t)] = 1;
   });
 }
 

@@ -119,12 +119,16 @@ class TileMask {
 // be read in place as they are (rows back to back, nothing to pad):
 // tile_cache() says so, and the loops must then read K and V only through
 // a KvTileCache (Keys and Values give the copies' sources).
+// With `checked_copy`, f32 rows of unit inner stride packed per call are
+// copied by its copy_rows_f32, which also notes whether a tile's rows hold a
+// NaN or an infinity (PackedNonFinite): the forward's NaN/Inf rule then needs
+// no second read of those rows in place.
 class KvRows {
  public:
   enum class KeyFormat { kF32, kF32Padded, kBf16 };  // kF32Padded: rows of ld_d, zero padded
   static constexpr double kPackMinUses = 8.0;
   KvRows(const FlashParams& p, const Geometry& g, KeyFormat keys, double uses, ThreadPool& pool,
-         bool tile_cache = false);
+         bool tile_cache = false, const micro::MicroKernels* checked_copy = nullptr);
   const float* Keys(int64_t b, int64_t kh, int64_t kvb) const;
   int64_t ldk() const { return ldk_; }
   const uint16_t* KeysBf16(int64_t b, int64_t kh, int64_t kvb) const;  // ld RoundUp(D, 2)
@@ -134,6 +138,13 @@ class KvRows {
   bool values_in_place() const { return v_in_place_ != nullptr; }
   bool tile_cache() const { return tile_cache_; }
   bool f32_keys() const { return keys_ != KeyFormat::kBf16; }  // else KeysBf16 only
+  // Whether the K (V) rows were checked for NaN/Inf while packed, and
+  // whether a packed, checked tile's rows hold one.
+  bool keys_checked() const { return k_checked_; }
+  bool values_checked() const { return v_checked_; }
+  bool PackedNonFinite(int64_t b, int64_t kh, int64_t kvb) const {
+    return !packed_bad_.empty() && packed_bad_[static_cast<size_t>(Tile(b, kh, kvb))] != 0;
+  }
 
  private:
   friend class KvTileCache;
@@ -144,6 +155,8 @@ class KvRows {
   KeyFormat keys_;
   uint64_t id_ = 0;  // unique per instance: tells a cache which call a copy is from
   bool tile_cache_ = false;
+  bool k_checked_ = false, v_checked_ = false;
+  std::vector<uint8_t> packed_bad_;  // per tile, when k_checked_ || v_checked_
   const float* k_in_place_ = nullptr;
   const float* v_in_place_ = nullptr;
   int64_t k_stride_[3] = {0, 0, 0}, v_stride_[3] = {0, 0, 0};  // b, s, head

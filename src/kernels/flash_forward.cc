@@ -163,7 +163,7 @@ class ForwardCall {
         bf16_(UseBf16Scores(p, mk_)),
         plan_(p, g, /*by_column=*/false),
         kv_(p, g, bf16_ ? KvRows::KeyFormat::kBf16 : KvRows::KeyFormat::kF32, plan_.UsesPerKvTile(),
-            pool, /*tile_cache=*/true),
+            pool, /*tile_cache=*/true, p.non_finite != nullptr ? &mk_ : nullptr),
         check_(p.non_finite != nullptr),
         kv_checked_(check_ ? static_cast<size_t>(g.b * g.hkv * g.nkvb) : 0),
         merge_(merge),
@@ -297,9 +297,11 @@ class ForwardCall {
     if (check_ && !kv_.tile_cache() &&
         !kv_checked_[static_cast<size_t>((b * g_.hkv + kh) * g_.nkvb + kvb)].exchange(
             true, std::memory_order_relaxed)) {
+      // Rows packed by the checking copy were checked then; others in place.
       const int64_t n = g_.KvRows(kvb);
-      if (AnyNonFinite(p_.k, b, kvb * g_.bkv, n, kh) ||
-          AnyNonFinite(p_.v, b, kvb * g_.bkv, n, kh)) {
+      if (kv_.PackedNonFinite(b, kh, kvb) ||
+          (!kv_.keys_checked() && AnyNonFinite(p_.k, b, kvb * g_.bkv, n, kh)) ||
+          (!kv_.values_checked() && AnyNonFinite(p_.v, b, kvb * g_.bkv, n, kh))) {
         p_.non_finite->store(true);
       }
     }
