@@ -7,6 +7,7 @@
 #include <span>
 
 #include "src/kernels/micro.h"
+#include "src/kernels/poison.h"
 
 namespace ringsplash::kernels {
 
@@ -221,32 +222,32 @@ KvRows::KvRows(const FlashParams& p, const Geometry& g, KeyFormat keys, double u
   pool.ParallelFor(tiles, [&](int64_t t, int) {
     const int64_t kvb = t % g.nkvb, kh = (t / g.nkvb) % g.hkv, b = t / (g.nkvb * g.hkv);
     const int64_t n = g.KvRows(kvb);
+    // Rows of `src` (f32) into dst with leading dimension ld: the checking
+    // copy, or PackRowsF32.
     bool bad = false;
-    if (pack_k) {
-      const Slab ks{&p.k, b, kh, kvb * g.bkv, n, g.d};
-      if (keys == KeyFormat::kBf16) {
-        PackRowsBf16(ks, k_bf16_.data() + t * k_elems_, d2);
-      } else if (k_checked_) {
-        bad = checked_copy->copy_rows_f32(
-            static_cast<const float*>(k.data) + k.Offset(b, kvb * g.bkv, kh), k.stride[1], n, g.d,
-            k_packed_.data() + t * k_elems_, g.ld_d);
+    auto pack_f32 = [&](const TensorView& src, bool checked, int64_t cols, float* dst, int64_t ld) {
+      if (checked) {
+        const float* rows = static_cast<const float*>(src.data) + src.Offset(b, kvb * g.bkv, kh);
+        bad = checked_copy->copy_rows_f32(rows, src.stride[1], n, cols, dst, ld) || bad;
       } else {
-        PackRowsF32(ks, k_packed_.data() + t * k_elems_, g.ld_d, n);
+        PackRowsF32(Slab{&src, b, kh, kvb * g.bkv, n, cols}, dst, ld, n);
       }
+    };
+    if (pack_k && keys == KeyFormat::kBf16) {
+      PackRowsBf16(Slab{&k, b, kh, kvb * g.bkv, n, g.d}, k_bf16_.data() + t * k_elems_, d2);
+    } else if (pack_k) {
+      pack_f32(k, k_checked_, g.d, k_packed_.data() + t * k_elems_, g.ld_d);
     }
-    if (pack_v) {
-      float* dst = v_packed_.data() + t * v_elems_;
-      if (v_checked_) {
-        bad = checked_copy->copy_rows_f32(
-                  static_cast<const float*>(v.data) + v.Offset(b, kvb * g.bkv, kh), v.stride[1], n,
-                  g.dv, dst, g.ld_dv) ||
-              bad;
-      } else {
-        PackRowsF32(Slab{&p.v, b, kh, kvb * g.bkv, n, g.dv}, dst, g.ld_dv, n);
-      }
-    }
+    if (pack_v) pack_f32(v, v_checked_, g.dv, v_packed_.data() + t * v_elems_, g.ld_dv);
     if (bad) packed_bad_[static_cast<size_t>(t)] = 1;
   });
+}
+
+bool KvRows::NonFinite(const FlashParams& p, int64_t b, int64_t kh, int64_t kvb) const {
+  const int64_t s0 = kvb * g_.bkv, n = g_.KvRows(kvb);
+  if (!packed_bad_.empty() && packed_bad_[static_cast<size_t>(Tile(b, kh, kvb))] != 0) return true;
+  return (!k_checked_ && AnyNonFinite(p.k, b, s0, n, kh)) ||
+         (!v_checked_ && AnyNonFinite(p.v, b, s0, n, kh));
 }
 
 const float* KvRows::Keys(int64_t b, int64_t kh, int64_t kvb) const {

@@ -121,8 +121,7 @@ class TileMask {
 // a KvTileCache (Keys and Values give the copies' sources).
 // With `checked_copy`, f32 rows of unit inner stride packed per call are
 // copied by its copy_rows_f32, which also notes whether a tile's rows hold a
-// NaN or an infinity (PackedNonFinite): the forward's NaN/Inf rule then needs
-// no second read of those rows in place.
+// NaN or an infinity: NonFinite then needs no second read of those rows.
 class KvRows {
  public:
   enum class KeyFormat { kF32, kF32Padded, kBf16 };  // kF32Padded: rows of ld_d, zero padded
@@ -138,13 +137,10 @@ class KvRows {
   bool values_in_place() const { return v_in_place_ != nullptr; }
   bool tile_cache() const { return tile_cache_; }
   bool f32_keys() const { return keys_ != KeyFormat::kBf16; }  // else KeysBf16 only
-  // Whether the K (V) rows were checked for NaN/Inf while packed, and
-  // whether a packed, checked tile's rows hold one.
-  bool keys_checked() const { return k_checked_; }
-  bool values_checked() const { return v_checked_; }
-  bool PackedNonFinite(int64_t b, int64_t kh, int64_t kvb) const {
-    return !packed_bad_.empty() && packed_bad_[static_cast<size_t>(Tile(b, kh, kvb))] != 0;
-  }
+  // Whether the K or V rows of tile (b, kh, kvb) of p (the call's params)
+  // hold a NaN or an infinity: what the checking copy noted for rows it
+  // packed, a check in place for the others.
+  bool NonFinite(const FlashParams& p, int64_t b, int64_t kh, int64_t kvb) const;
 
  private:
   friend class KvTileCache;

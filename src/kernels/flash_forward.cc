@@ -297,13 +297,7 @@ class ForwardCall {
     if (check_ && !kv_.tile_cache() &&
         !kv_checked_[static_cast<size_t>((b * g_.hkv + kh) * g_.nkvb + kvb)].exchange(
             true, std::memory_order_relaxed)) {
-      // Rows packed by the checking copy were checked then; others in place.
-      const int64_t n = g_.KvRows(kvb);
-      if (kv_.PackedNonFinite(b, kh, kvb) ||
-          (!kv_.keys_checked() && AnyNonFinite(p_.k, b, kvb * g_.bkv, n, kh)) ||
-          (!kv_.values_checked() && AnyNonFinite(p_.v, b, kvb * g_.bkv, n, kh))) {
-        p_.non_finite->store(true);
-      }
+      if (kv_.NonFinite(p_, b, kh, kvb)) p_.non_finite->store(true);
     }
     bool bad = false;
     const KvTile kvt = ws.kv_cache.Get(kv_, mk_, b, kh, kvb, check_ ? &bad : nullptr);
