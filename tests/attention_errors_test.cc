@@ -396,7 +396,8 @@ TEST(ErrorTest, BadKernelEnvironmentIsAnError) {
 // A path this CPU lacks is refused by name (only testable where one is missing).
 TEST(ErrorTest, UnsupportedKernelPathIsAnError) {
   const std::vector<KernelPath> ok = SupportedKernelPaths();
-  for (KernelPath p : {KernelPath::kAvx2, KernelPath::kAvx512, KernelPath::kAvx512Bf16}) {
+  for (KernelPath p :
+       {KernelPath::kAvx2, KernelPath::kAvx512, KernelPath::kAvx512Bf16, KernelPath::kAmx}) {
     if (std::find(ok.begin(), ok.end(), p) != ok.end()) continue;
     Call call;
     call.opt.kernel_path = p;

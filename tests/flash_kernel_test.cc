@@ -194,6 +194,11 @@ class Problem {
   Tensor dout_;
 };
 
+// Paths whose bf16 forward multiplies bf16 operands (vdpbf16ps or AMX tiles).
+bool Bf16Products(KernelPath path) {
+  return path == KernelPath::kAvx512Bf16 || path == KernelPath::kAmx;
+}
+
 void ExpectClose(const std::vector<float>& actual, const std::vector<double>& expected, double tol,
                  const std::string& what) {
   const testing::Comparison c = Compare(ToDoubleVec(actual), expected);
@@ -204,7 +209,7 @@ void ExpectClose(const std::vector<float>& actual, const std::vector<double>& ex
 
 TEST(KernelPathTest, NamesRoundTripAndBadNamesThrow) {
   for (KernelPath p : {KernelPath::kAuto, KernelPath::kPortable, KernelPath::kAvx2,
-                       KernelPath::kAvx512, KernelPath::kAvx512Bf16}) {
+                       KernelPath::kAvx512, KernelPath::kAvx512Bf16, KernelPath::kAmx}) {
     EXPECT_EQ(ParseKernelPath(KernelPathName(p)), p);
   }
   EXPECT_THROW(ParseKernelPath("avx"), Error);
@@ -217,11 +222,12 @@ TEST(KernelPathTest, SupportedAndResolve) {
   ASSERT_FALSE(paths.empty());
   EXPECT_EQ(paths.front(), KernelPath::kPortable);
   const auto& f = kernels::DetectCpuFeatures();
-  EXPECT_EQ(paths.size(),
-            1u + (f.avx2 ? 1u : 0u) + (f.avx512 ? 1u : 0u) + (f.avx512_bf16 ? 1u : 0u));
+  EXPECT_EQ(paths.size(), 1u + (f.avx2 ? 1u : 0u) + (f.avx512 ? 1u : 0u) +
+                              (f.avx512_bf16 ? 1u : 0u) + (f.amx ? 1u : 0u));
   // Each wider path implies the narrower ones (AVX-512 CPUs have AVX2).
   EXPECT_TRUE(!f.avx512 || f.avx2);
   EXPECT_TRUE(!f.avx512_bf16 || f.avx512);
+  EXPECT_TRUE(!f.amx || f.avx512_bf16);
   for (KernelPath p : paths) EXPECT_EQ(ResolveKernelPath(p), p);
   if (!f.avx2) {
     EXPECT_THROW(ResolveKernelPath(KernelPath::kAvx2), Error);
@@ -232,14 +238,18 @@ TEST(KernelPathTest, SupportedAndResolve) {
   if (!f.avx512_bf16) {
     EXPECT_THROW(ResolveKernelPath(KernelPath::kAvx512Bf16), Error);
   }
+  if (!f.amx) {
+    EXPECT_THROW(ResolveKernelPath(KernelPath::kAmx), Error);
+  }
 
   unsetenv("RINGSPLASH_KERNEL");
-  // kAuto: avx512_bf16 only where bf16 dot products are fast, else avx512,
-  // else avx2.
-  const KernelPath best = f.avx512_bf16 && f.fast_bf16_dot ? KernelPath::kAvx512Bf16
-                          : f.avx512                       ? KernelPath::kAvx512
-                          : f.avx2                         ? KernelPath::kAvx2
-                                                           : KernelPath::kPortable;
+  // kAuto: amx where usable, avx512_bf16 only where bf16 dot products are
+  // fast, else avx512, else avx2.
+  const KernelPath best = f.amx                              ? KernelPath::kAmx
+                          : f.avx512_bf16 && f.fast_bf16_dot ? KernelPath::kAvx512Bf16
+                          : f.avx512                         ? KernelPath::kAvx512
+                          : f.avx2                           ? KernelPath::kAvx2
+                                                             : KernelPath::kPortable;
   EXPECT_EQ(ResolveKernelPath(KernelPath::kAuto), best);
   setenv("RINGSPLASH_KERNEL", "portable", 1);
   EXPECT_EQ(ResolveKernelPath(KernelPath::kAuto), KernelPath::kPortable);
@@ -276,12 +286,12 @@ void CheckAgainstReference(const Shape& sh, DType dtype, const RunConfig& s, boo
   const std::string what = std::string(KernelPathName(s.path)) + " " + DTypeName(dtype) +
                            " d=" + std::to_string(sh.d) + " dv=" + std::to_string(sh.dv) +
                            " sq=" + std::to_string(sh.sq) + " skv=" + std::to_string(sh.skv);
-  // bf16 products (avx512_bf16 with bf16 inputs) compute S exactly like f32
+  // bf16 products (avx512_bf16 and amx with bf16 inputs) compute S exactly like f32
   // on the rounded inputs (bf16 x bf16 products are exact in f32) but round
   // P to bf16 (relative 2^-9) for P V. |out_i error| <= 2^-9 sum_j p_ij |v_j|
   // <= 2^-9 max|v|, plus 2x the f32 error allowance for the rest.
   double out_tol = kF32Tol;
-  if (dtype == DType::kBF16 && s.path == KernelPath::kAvx512Bf16) {
+  if (dtype == DType::kBF16 && Bf16Products(s.path)) {
     out_tol = 2 * kF32Tol +
               std::ldexp(testing::MaxAbs(rp.v), -9) / std::max(1e-30, testing::MaxAbs(ref.out));
   }
@@ -442,7 +452,7 @@ TEST(FlashTest, SoftCapWithHugeLogits) {
       const Result r = prob.Run(s, true, &ref);
       const testing::RefBackward g = testing::ReferenceBackward(rp, prob.Dout());
       double out_tol = kF32Tol;
-      if (dtype == DType::kBF16 && path == KernelPath::kAvx512Bf16) {
+      if (dtype == DType::kBF16 && Bf16Products(path)) {
         out_tol = 2 * kF32Tol + std::ldexp(testing::MaxAbs(rp.v), -9) / testing::MaxAbs(ref.out);
       }
       const std::string what = std::string(KernelPathName(path)) + " " + DTypeName(dtype);
@@ -519,7 +529,7 @@ TEST(FlashTest, StridedBhsdViewsAndF16Inputs) {
       const Result r = prob.Run(s, true, &ref);
       const testing::RefBackward g = testing::ReferenceBackward(rp, prob.Dout());
       double out_tol = kF32Tol;
-      if (dtype == DType::kBF16 && path == KernelPath::kAvx512Bf16) {
+      if (dtype == DType::kBF16 && Bf16Products(path)) {
         out_tol = 2 * kF32Tol + std::ldexp(testing::MaxAbs(rp.v), -9) / testing::MaxAbs(ref.out);
       }
       const std::string what = std::string(KernelPathName(path)) + " " + DTypeName(dtype);

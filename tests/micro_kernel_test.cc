@@ -81,37 +81,61 @@ TEST(MicroKernelTest, GemmF32MatchesDoubleLoopsOnEveryPath) {
   }
 }
 
+// The bf16 GEMM of every path that has one (vdpbf16ps, AMX tiles) against
+// double loops. Shapes cover AMX's whole 16 x 16 tiles and 16-pair k steps,
+// their remainders (rows, pairs: handed to vdpbf16ps), 2 x 2 tile blocks with
+// a 16-wide column or row tail, accumulate with and without row_scale.
 TEST(MicroKernelTest, GemmBf16MatchesDoubleLoopsOnRoundedInputs) {
-  // First: building the table runs AVX-512 code (micro.h).
-  if (!kernels::DetectCpuFeatures().avx512_bf16) GTEST_SKIP() << "no AVX512_BF16";
-  const kernels::micro::MicroKernels& mk = kernels::micro::MicroKernelsFor(KernelPath::kAvx512Bf16);
-  Rng rng(2);
-  for (int64_t m : {1, 7, 8, 64}) {
-    for (int64_t n : {16, 32, 64, 112}) {
-      for (int64_t k2 : {1, 3, 64}) {
-        const int64_t lda = 2 * k2 + 4, ldb = n + 16, ldc = n;
-        std::vector<uint16_t> a(static_cast<size_t>(m * lda)), b(static_cast<size_t>(k2 * ldb * 2));
-        std::uniform_real_distribution<float> u(-1, 1);
-        for (auto& x : a) x = F32ToBF16(u(rng));
-        for (auto& x : b) x = F32ToBF16(u(rng));
-        std::vector<float> c(static_cast<size_t>(m * ldc));
-        mk.gemm_bf16(m, n, k2, a.data(), lda, b.data(), ldb, c.data(), ldc, nullptr, false);
-        double worst = 0;
-        for (int64_t i = 0; i < m; ++i) {
-          for (int64_t j = 0; j < n; ++j) {
-            double e = 0;
-            for (int64_t p = 0; p < 2 * k2; ++p) {
-              e +=
-                  double{BF16ToF32(a[i * lda + p])} * BF16ToF32(b[((p / 2) * ldb + j) * 2 + p % 2]);
+  int paths = 0;
+  for (KernelPath path : SupportedKernelPaths()) {
+    const kernels::micro::MicroKernels& mk = kernels::micro::MicroKernelsFor(path);
+    if (mk.gemm_bf16 == nullptr) continue;
+    ++paths;
+    Rng rng(2);
+    for (int64_t m : {1, 7, 8, 16, 40, 64}) {
+      for (int64_t n : {16, 48, 64, 112}) {
+        for (int64_t k2 : {1, 3, 16, 40, 64}) {
+          for (int mode = 0; mode < 3; ++mode) {  // plain, accumulate, accumulate + row_scale
+            const int64_t lda = 2 * k2 + 4, ldb = n + 16, ldc = n + 16;
+            std::vector<uint16_t> a(static_cast<size_t>(m * lda)),
+                b(static_cast<size_t>(k2 * ldb * 2));
+            std::uniform_real_distribution<float> u(-1, 1);
+            for (auto& x : a) x = F32ToBF16(u(rng));
+            for (auto& x : b) x = F32ToBF16(u(rng));
+            std::vector<float> c(static_cast<size_t>(m * ldc)), scale(static_cast<size_t>(m));
+            for (auto& x : c) x = u(rng);
+            for (auto& x : scale) x = u(rng);
+            const std::vector<float> c0 = c;
+            mk.gemm_bf16(m, n, k2, a.data(), lda, b.data(), ldb, c.data(), ldc,
+                         mode == 2 ? scale.data() : nullptr, mode > 0);
+            double worst = 0;
+            for (int64_t i = 0; i < m; ++i) {
+              for (int64_t j = 0; j < n; ++j) {
+                double e = mode == 0   ? 0.0
+                           : mode == 1 ? c0[i * ldc + j]
+                                       : double{scale[i]} * c0[i * ldc + j];
+                for (int64_t p = 0; p < 2 * k2; ++p) {
+                  e += double{BF16ToF32(a[i * lda + p])} *
+                       BF16ToF32(b[((p / 2) * ldb + j) * 2 + p % 2]);
+                }
+                worst = std::max(worst, std::abs(c[i * ldc + j] - e));
+              }
+              // Columns n.. of C are not the GEMM's to touch.
+              for (int64_t j = n; j < ldc; ++j) {
+                ASSERT_EQ(c[i * ldc + j], c0[i * ldc + j]) << KernelPathName(path);
+              }
             }
-            worst = std::max(worst, std::abs(c[i * ldc + j] - e));
+            // Products of bf16 values are exact in f32; only the f32 sums
+            // round: at most 2 k2 + 1 roundings of partial sums below 2 k2 + 1.
+            EXPECT_LE(worst, 1e-5 * static_cast<double>(2 * k2 + 1))
+                << KernelPathName(path) << " m=" << m << " n=" << n << " k2=" << k2
+                << " mode=" << mode;
           }
         }
-        // Products of bf16 values are exact in f32; only the f32 sums round.
-        EXPECT_LE(worst, 1e-5 * static_cast<double>(2 * k2)) << m << " " << n << " " << k2;
       }
     }
   }
+  if (paths == 0) GTEST_SKIP() << "no path with a bf16 GEMM (needs AVX512_BF16)";
 }
 
 // rows x lds random floats with a NaN in every column >= cols: what a

@@ -34,10 +34,12 @@ struct BlockSizes {
 };
 
 // Micro-kernel implementations. kAuto picks the fastest this CPU supports; the
-// environment variable RINGSPLASH_KERNEL=portable|avx2|avx512|avx512_bf16
+// environment variable RINGSPLASH_KERNEL=portable|avx2|avx512|avx512_bf16|amx
 // overrides kAuto (tests use the option directly). Forcing an unsupported path
-// is an Error. kAvx2 (AVX2 + FMA, 8-lane f32) is for CPUs without AVX-512.
-enum class KernelPath { kAuto, kPortable, kAvx2, kAvx512, kAvx512Bf16 };
+// is an Error. kAvx2 (AVX2 + FMA, 8-lane f32) is for CPUs without AVX-512;
+// kAmx is kAvx512Bf16 with the bf16 score products on AMX tiles (Intel
+// Sapphire Rapids and later, Linux granting the tile-data permission).
+enum class KernelPath { kAuto, kPortable, kAvx2, kAvx512, kAvx512Bf16, kAmx };
 const char* KernelPathName(KernelPath path);
 KernelPath ParseKernelPath(const std::string& text);
 // Paths usable on this machine (never includes kAuto; always includes kPortable).

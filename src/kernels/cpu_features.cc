@@ -4,6 +4,10 @@
 #if defined(__x86_64__)
 #include <cpuid.h>
 #endif
+#if defined(__x86_64__) && defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #include <cstdint>
 #include <cstdlib>
@@ -27,6 +31,18 @@ uint64_t ReadXcr0() {
   return (static_cast<uint64_t>(hi) << 32) | lo;
 }
 
+// Linux enables the 8 KiB AMX tile state per process, on request; the
+// permission then holds for all of the process's threads.
+bool RequestTileData() {
+#if defined(__linux__)
+  constexpr long kArchReqXcompPerm = 0x1023;
+  constexpr long kXfeatureXtiledata = 18;
+  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+#else
+  return false;  // no known way to ask: leave AMX off
+#endif
+}
+
 CpuFeatures Detect() {
   CpuFeatures f;
   unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
@@ -47,6 +63,8 @@ CpuFeatures Detect() {
   if ((xcr0 & kYmmState) != kYmmState) return f;
   if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return f;
   const bool avx2 = (ebx >> 5) & 1;
+  const bool amx_bf16 = (edx >> 22) & 1;
+  const bool amx_tile = (edx >> 24) & 1;
   f.avx2 = avx2 && fma && f16c;
   if ((xcr0 & kZmmState) != kZmmState) return f;
   const bool avx512f = (ebx >> 16) & 1;
@@ -59,6 +77,10 @@ CpuFeatures Detect() {
     f.avx512_bf16 = (eax >> 5) & 1;
   }
   f.fast_bf16_dot = f.avx512_bf16 && amd;
+  const uint64_t kTileState = (uint64_t{1} << 17) | (uint64_t{1} << 18);
+  if (f.avx512_bf16 && amx_bf16 && amx_tile && (xcr0 & kTileState) == kTileState) {
+    f.amx = RequestTileData();
+  }
   return f;
 }
 
@@ -81,6 +103,8 @@ bool Supported(KernelPath path) {
       return f.avx512;
     case KernelPath::kAvx512Bf16:
       return f.avx512_bf16;
+    case KernelPath::kAmx:
+      return f.amx;
     case KernelPath::kAuto:
       return true;
   }
@@ -108,22 +132,24 @@ const char* KernelPathName(KernelPath path) {
       return "avx512";
     case KernelPath::kAvx512Bf16:
       return "avx512_bf16";
+    case KernelPath::kAmx:
+      return "amx";
   }
   return "unknown";
 }
 
 KernelPath ParseKernelPath(const std::string& text) {
   for (KernelPath p : {KernelPath::kAuto, KernelPath::kPortable, KernelPath::kAvx2,
-                       KernelPath::kAvx512, KernelPath::kAvx512Bf16}) {
+                       KernelPath::kAvx512, KernelPath::kAvx512Bf16, KernelPath::kAmx}) {
     if (text == KernelPathName(p)) return p;
   }
-  Fail("kernel path: expected one of auto|portable|avx2|avx512|avx512_bf16, got '", text, "'");
+  Fail("kernel path: expected one of auto|portable|avx2|avx512|avx512_bf16|amx, got '", text, "'");
 }
 
 std::vector<KernelPath> SupportedKernelPaths() {
   std::vector<KernelPath> paths;
-  for (KernelPath p :
-       {KernelPath::kPortable, KernelPath::kAvx2, KernelPath::kAvx512, KernelPath::kAvx512Bf16}) {
+  for (KernelPath p : {KernelPath::kPortable, KernelPath::kAvx2, KernelPath::kAvx512,
+                       KernelPath::kAvx512Bf16, KernelPath::kAmx}) {
     if (kernels::Supported(p)) paths.push_back(p);
   }
   return paths;
@@ -153,7 +179,7 @@ KernelPath ResolveKernelPath(KernelPath requested) {
       try {
         forced = ParseKernelPath(env);
       } catch (const Error&) {
-        Fail("RINGSPLASH_KERNEL: expected portable|avx2|avx512|avx512_bf16, got '", env, "'");
+        Fail("RINGSPLASH_KERNEL: expected portable|avx2|avx512|avx512_bf16|amx, got '", env, "'");
       }
       if (forced != KernelPath::kAuto) {
         Check(kernels::Supported(forced), "RINGSPLASH_KERNEL: kernel path '", env,
@@ -162,6 +188,7 @@ KernelPath ResolveKernelPath(KernelPath requested) {
       }
     }
     const kernels::CpuFeatures& f = kernels::DetectCpuFeatures();
+    if (f.amx) return KernelPath::kAmx;
     if (f.avx512_bf16 && f.fast_bf16_dot) return KernelPath::kAvx512Bf16;
     if (f.avx512) return KernelPath::kAvx512;
     if (f.avx2) return KernelPath::kAvx2;

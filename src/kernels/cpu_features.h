@@ -21,6 +21,11 @@ struct CpuFeatures {
   // (assumed full rate: not measured on such a machine). kAuto prefers
   // avx512_bf16 only when this is true.
   bool fast_bf16_dot = false;
+  // avx512_bf16 and AMX-TILE + AMX-BF16, the OS saving the tile state (XCR0
+  // bits 17, 18) and, on Linux, granting this process the tile-data
+  // permission (arch_prctl ARCH_REQ_XCOMP_PERM; without it the first tile
+  // instruction raises SIGILL). The request is made once, during detection.
+  bool amx = false;
 };
 
 // Detected once (cpuid + xgetbv), then cached.

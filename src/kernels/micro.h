@@ -159,7 +159,7 @@ struct MicroKernels {
   const char* name = "";
   GemmF32Fn gemm_f32 = nullptr;
   GemmF32RangesFn gemm_f32_ranges = nullptr;
-  GemmBf16Fn gemm_bf16 = nullptr;  // only on the avx512_bf16 path
+  GemmBf16Fn gemm_bf16 = nullptr;  // only on the avx512_bf16 and amx paths
   TransposeF32Fn transpose_f32 = nullptr;
   CopyRowsF32Fn copy_rows_f32 = nullptr;
   MaskBitsFn mask_bits = nullptr;
@@ -172,6 +172,7 @@ const MicroKernels& PortableMicroKernels();
 const MicroKernels& Avx2MicroKernels();        // call only if DetectCpuFeatures().avx2
 const MicroKernels& Avx512MicroKernels();      // call only if DetectCpuFeatures().avx512
 const MicroKernels& Avx512Bf16MicroKernels();  // call only if ....avx512_bf16
+const MicroKernels& AmxMicroKernels();         // call only if ....amx
 // The table for a resolved path (kAuto is treated as kPortable). Only for a
 // path the CPU supports: the AVX2 and AVX-512 tables are built by code
 // compiled for those instruction sets, and exist only in x86-64 builds.

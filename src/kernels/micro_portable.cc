@@ -342,6 +342,8 @@ const MicroKernels& MicroKernelsFor(KernelPath path) {
       return Avx512MicroKernels();
     case KernelPath::kAvx512Bf16:
       return Avx512Bf16MicroKernels();
+    case KernelPath::kAmx:
+      return AmxMicroKernels();
     case KernelPath::kAuto:
     case KernelPath::kPortable:
       break;
