@@ -138,6 +138,61 @@ TEST(MicroKernelTest, GemmBf16MatchesDoubleLoopsOnRoundedInputs) {
   if (paths == 0) GTEST_SKIP() << "no path with a bf16 GEMM (needs AVX512_BF16)";
 }
 
+// The amx path's bf16 packers for P V against plain loops: values rounded
+// to nearest even exactly as F32ToBF16 does, zero k padding up to whole
+// 16-pair steps, nothing written past it. Shapes with rows (keys) and cols
+// (queries) off every multiple.
+TEST(MicroKernelTest, Bf16PackersForTilePvMatchLoops) {
+  int paths = 0;
+  for (KernelPath path : SupportedKernelPaths()) {
+    const kernels::micro::MicroKernels& mk = kernels::micro::MicroKernelsFor(path);
+    if (mk.pack_pairs_bf16 == nullptr) continue;
+    ++paths;
+    Rng rng(4);
+    std::uniform_real_distribution<float> u(-3, 3);
+    constexpr uint16_t kCanary = 0xABCD;
+    for (int64_t rows : {1, 17, 31, 32, 45, 128}) {
+      const int64_t padded = (rows + 31) / 32 * 32;
+      for (int64_t cols : {16, 48, 128}) {
+        const int64_t lds = cols + 16;
+        std::vector<float> src(static_cast<size_t>(rows * lds));
+        for (auto& x : src) x = u(rng);
+        // PackPairsBf16: B[p][c] at ((p / 2) * ldd + c) * 2 + p % 2.
+        const int64_t ldd = cols + 16;
+        std::vector<uint16_t> pairs(static_cast<size_t>((padded / 2 + 1) * ldd * 2), kCanary);
+        mk.pack_pairs_bf16(rows, cols, src.data(), lds, pairs.data(), ldd);
+        for (int64_t p = 0; p < padded + 2; ++p) {
+          for (int64_t c = 0; c < ldd; ++c) {
+            const uint16_t got = pairs[static_cast<size_t>(((p / 2) * ldd + c) * 2 + p % 2)];
+            const uint16_t want = p >= padded || c >= cols ? kCanary
+                                  : p < rows               ? F32ToBF16(src[p * lds + c])
+                                                           : uint16_t{0};
+            ASSERT_EQ(got, want) << KernelPathName(path) << " pairs rows=" << rows
+                                 << " cols=" << cols << " p=" << p << " c=" << c;
+          }
+        }
+        // TransposeBf16 of src (rows x cols): dst[c * ldt + r].
+        for (int64_t n : {cols, cols - 5}) {
+          const int64_t ldt = padded + 16;
+          std::vector<uint16_t> t(static_cast<size_t>((n + 1) * ldt), kCanary);
+          mk.transpose_bf16(rows, n, src.data(), lds, t.data(), ldt);
+          for (int64_t c = 0; c < n + 1; ++c) {
+            for (int64_t r = 0; r < ldt; ++r) {
+              const uint16_t want = c >= n || r >= padded ? kCanary
+                                    : r < rows            ? F32ToBF16(src[r * lds + c])
+                                                          : uint16_t{0};
+              ASSERT_EQ(t[static_cast<size_t>(c * ldt + r)], want)
+                  << KernelPathName(path) << " transpose rows=" << rows << " cols=" << n
+                  << " r=" << r << " c=" << c;
+            }
+          }
+        }
+      }
+    }
+  }
+  if (paths == 0) GTEST_SKIP() << "no path packs bf16 for tile P V (needs AMX)";
+}
+
 // rows x lds random floats with a NaN in every column >= cols: what a
 // NaN/Inf check of the first cols columns must not count.
 std::vector<float> RowsWithNaNTail(Rng& rng, int64_t rows, int64_t cols, int64_t lds) {

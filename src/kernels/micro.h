@@ -60,6 +60,18 @@ using GemmBf16Fn = void (*)(int64_t m, int64_t n, int64_t k2, const uint16_t* a,
                             const uint16_t* b, int64_t ldb, float* c, int64_t ldc,
                             const float* row_scale, bool accumulate);
 
+// bf16 operands of an AMX P V (micro_amx.cc), rounded to nearest even:
+// PackPairsBf16: B = src[rows x cols] pair-interleaved,
+//   dst[((r / 2) * ldd + c) * 2 + r % 2] = bf16(src[r * lds + c]), zero rows
+//   from `rows` to RoundUp(rows, 32) (whole 16-pair k steps); cols % 16 == 0.
+// TransposeBf16: A = src^T for a src[rows x cols] (P^T: keys x queries),
+//   dst[c * ldd + r] = bf16(src[r * lds + c]) for c < cols, and zero for
+//   rows <= r < RoundUp(rows, 32) <= ldd.
+using PackPairsBf16Fn = void (*)(int64_t rows, int64_t cols, const float* src, int64_t lds,
+                                 uint16_t* dst, int64_t ldd);
+using TransposeBf16Fn = void (*)(int64_t rows, int64_t cols, const float* src, int64_t lds,
+                                 uint16_t* dst, int64_t ldd);
+
 // dst[c * ldd + r] = src[r * lds + c] for r < rows, c < cols, and 0 for
 // rows <= r < ldd (ldd >= RoundUp(rows, kVec)): packs a Q (or dO) block of
 // f32 rows as Q^T. Returns whether a transposed value is a NaN or an
@@ -160,6 +172,9 @@ struct MicroKernels {
   GemmF32Fn gemm_f32 = nullptr;
   GemmF32RangesFn gemm_f32_ranges = nullptr;
   GemmBf16Fn gemm_bf16 = nullptr;  // only on the avx512_bf16 and amx paths
+  // Only on the amx path: the bf16 forward's P V on tiles (P rounded to bf16).
+  PackPairsBf16Fn pack_pairs_bf16 = nullptr;
+  TransposeBf16Fn transpose_bf16 = nullptr;
   TransposeF32Fn transpose_f32 = nullptr;
   CopyRowsF32Fn copy_rows_f32 = nullptr;
   MaskBitsFn mask_bits = nullptr;

@@ -1,8 +1,10 @@
 // AMX micro-kernels (compiled with -mamx-tile -mamx-bf16 on top of the
 // AVX512_BF16 flags; called only after runtime detection, which also asks
 // Linux for the tile-data permission: cpu_features.cc). The "amx" path is the
-// avx512_bf16 table with GemmBf16 on AMX tiles: the bf16 forward's score
-// products K Q^T. Everything f32 stays on the AVX-512 kernels.
+// avx512_bf16 table with GemmBf16 on AMX tiles — the bf16 forward's score
+// products K Q^T and, with P rounded to bf16 (TransposeBf16) and V packed as
+// pairs (PackPairsBf16), its P V. Everything else stays on the AVX-512
+// kernels.
 //
 // TDPBF16PS multiplies a 16 x 32 bf16 tile A (16 rows, 16 pairs) by a 16 x 16
 // pair-interleaved tile B (16 pair rows x 16 columns x 2) into 16 x 16 f32 C,
@@ -16,11 +18,20 @@
 // tmm6-7, every tile 16 rows x 64 bytes; k runs in steps of 16 pairs. Rows
 // beyond the last multiple of 16 and pairs beyond the last multiple of 16
 // (D not a multiple of 32) go to the vdpbf16ps kernel.
+// GCC 12's AVX-512 intrinsic headers initialise "undefined" operands from
+// themselves, which -W(maybe-)uninitialized reports at every inlined use (GCC
+// bug 105593, fixed in later releases); the warning is meaningless here.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#endif
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cstdint>
 
 #include "src/kernels/micro.h"
+#include "src/kernels/micro_avx512.h"
 
 namespace ringsplash::kernels::micro {
 namespace {
@@ -126,6 +137,58 @@ void GemmBf16Amx(int64_t m, int64_t n, int64_t k2, const uint16_t* a, int64_t ld
   }
 }
 
+__mmask16 Lanes(int64_t n) {
+  return n >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << n) - 1u);
+}
+
+// Pairs of rows (2t, 2t + 1), 16 columns at a time: both rounded to bf16 into
+// one vector [row 2t | row 2t + 1], then interleaved element by element.
+void PackPairsBf16(int64_t rows, int64_t cols, const float* src, int64_t lds, uint16_t* dst,
+                   int64_t ldd) {
+  alignas(64) static constexpr uint16_t kInterleave[32] = {
+      0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
+      8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512i order = _mm512_load_si512(kInterleave);
+  const int64_t padded = (rows + 31) / 32 * 32;
+  for (int64_t r = 0; r < padded; r += 2) {
+    uint16_t* out = dst + (r / 2) * ldd * 2;
+    for (int64_t c = 0; c < cols; c += 16) {
+      const __m512 even = r < rows ? _mm512_loadu_ps(src + r * lds + c) : _mm512_setzero_ps();
+      const __m512 odd =
+          r + 1 < rows ? _mm512_loadu_ps(src + (r + 1) * lds + c) : _mm512_setzero_ps();
+      const __m512i both = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(odd, even));
+      _mm512_storeu_si512(out + 2 * c, _mm512_permutexvar_epi16(order, both));
+    }
+  }
+}
+
+// 32 rows x 16 columns at a time: two 16 x 16 register transposes, then per
+// column one vector of 32 bf16 (rows r0 .. r0 + 31) stored as a row of dst.
+void TransposeBf16(int64_t rows, int64_t cols, const float* src, int64_t lds, uint16_t* dst,
+                   int64_t ldd) {
+  const int64_t padded = (rows + 31) / 32 * 32;
+  for (int64_t c0 = 0; c0 < cols; c0 += 16) {
+    const int64_t nc = std::min<int64_t>(16, cols - c0);
+    const __mmask16 in = Lanes(nc);
+    for (int64_t r0 = 0; r0 < padded; r0 += 32) {
+      __m512 lo[16], hi[16];
+      RINGSPLASH_UNROLL
+      for (int i = 0; i < 16; ++i) {
+        const int64_t r = r0 + i;
+        lo[i] = r < rows ? _mm512_maskz_loadu_ps(in, src + r * lds + c0) : _mm512_setzero_ps();
+        hi[i] = r + 16 < rows ? _mm512_maskz_loadu_ps(in, src + (r + 16) * lds + c0)
+                              : _mm512_setzero_ps();
+      }
+      Transpose16(lo);
+      Transpose16(hi);
+      for (int64_t c = 0; c < nc; ++c) {
+        const __m512i v = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi[c], lo[c]));
+        _mm512_storeu_si512(dst + (c0 + c) * ldd + r0, v);
+      }
+    }
+  }
+}
+
 }  // namespace
 
 const MicroKernels& AmxMicroKernels() {
@@ -133,6 +196,8 @@ const MicroKernels& AmxMicroKernels() {
     MicroKernels t = Avx512Bf16MicroKernels();
     t.name = "amx";
     t.gemm_bf16 = GemmBf16Amx;
+    t.pack_pairs_bf16 = PackPairsBf16;
+    t.transpose_bf16 = TransposeBf16;
     return t;
   }();
   return table;

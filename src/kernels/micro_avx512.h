@@ -126,6 +126,40 @@ inline void GemmF32Avx512(int64_t m, int64_t n, int64_t k, const float* a, int64
   GemmF32RangesAvx512(m, n, k, a, a_rs, a_cs, b, ldb, c, ldc, row_scale, accumulate, KRanges());
 }
 
+// In-register transpose of 16 rows of 16 lanes: afterwards r[c] holds what
+// was lane c of r[0..15]. Unpack pairs of rows, then pairs of 64-bit pairs,
+// then two rounds of 128-bit lane shuffles.
+RINGSPLASH_INLINE void Transpose16(__m512 (&r)[16]) {
+  __m512 t[16];
+  RINGSPLASH_UNROLL
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  RINGSPLASH_UNROLL
+  for (int i = 0; i < 4; ++i) {
+    const __m512d a = _mm512_castps_pd(t[4 * i]), b = _mm512_castps_pd(t[4 * i + 1]);
+    const __m512d c = _mm512_castps_pd(t[4 * i + 2]), d = _mm512_castps_pd(t[4 * i + 3]);
+    r[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
+    r[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
+    r[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
+    r[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
+  }
+  RINGSPLASH_UNROLL
+  for (int h = 0; h < 2; ++h) {
+    RINGSPLASH_UNROLL
+    for (int i = 0; i < 4; ++i) {
+      t[8 * h + i] = _mm512_shuffle_f32x4(r[8 * h + i], r[8 * h + 4 + i], 0x88);
+      t[8 * h + 4 + i] = _mm512_shuffle_f32x4(r[8 * h + i], r[8 * h + 4 + i], 0xdd);
+    }
+  }
+  RINGSPLASH_UNROLL
+  for (int i = 0; i < 8; ++i) {
+    r[i] = _mm512_shuffle_f32x4(t[i], t[8 + i], 0x88);
+    r[8 + i] = _mm512_shuffle_f32x4(t[i], t[8 + i], 0xdd);
+  }
+}
+
 // Running NaN/Inf check over loaded f32 vectors (the copies and transposes
 // that pack inputs): the max of |bits| reaches the infinity pattern
 // (exponent all ones) iff some value was a NaN or an infinity.

@@ -187,9 +187,8 @@ void ExpStrip(const TileArgs& t, int64_t i0, __m512 vmax, float* row_max, float*
 
 }  // namespace
 
-// 16 x 16 blocks transposed in registers: unpack pairs of rows, then pairs
-// of 64-bit pairs, then two rounds of 128-bit lane shuffles. The loaded rows
-// are also checked for NaN/Inf (NonFiniteCheck, as in CopyRowsF32).
+// 16 x 16 blocks transposed in registers (Transpose16). The loaded rows are
+// also checked for NaN/Inf (NonFiniteCheck, as in CopyRowsF32).
 bool TransposeF32(int64_t rows, int64_t cols, const float* src, int64_t lds, float* dst,
                   int64_t ldd) {
   NonFiniteCheck check;
@@ -198,39 +197,13 @@ bool TransposeF32(int64_t rows, int64_t cols, const float* src, int64_t lds, flo
     for (int64_t c0 = 0; c0 < cols; c0 += 16) {
       const int nc = static_cast<int>(std::min<int64_t>(16, cols - c0));
       const __mmask16 in = LaneMask(nc);
-      __m512 r[16], t[16];
+      __m512 r[16];
       RINGSPLASH_UNROLL
       for (int i = 0; i < 16; ++i) {
         r[i] = i < nr ? _mm512_maskz_loadu_ps(in, src + (r0 + i) * lds + c0) : _mm512_setzero_ps();
         check.Add(r[i]);
       }
-      RINGSPLASH_UNROLL
-      for (int i = 0; i < 8; ++i) {
-        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-      }
-      RINGSPLASH_UNROLL
-      for (int i = 0; i < 4; ++i) {
-        const __m512d a = _mm512_castps_pd(t[4 * i]), b = _mm512_castps_pd(t[4 * i + 1]);
-        const __m512d c = _mm512_castps_pd(t[4 * i + 2]), d = _mm512_castps_pd(t[4 * i + 3]);
-        r[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
-        r[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
-        r[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
-        r[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
-      }
-      RINGSPLASH_UNROLL
-      for (int h = 0; h < 2; ++h) {
-        RINGSPLASH_UNROLL
-        for (int i = 0; i < 4; ++i) {
-          t[8 * h + i] = _mm512_shuffle_f32x4(r[8 * h + i], r[8 * h + 4 + i], 0x88);
-          t[8 * h + 4 + i] = _mm512_shuffle_f32x4(r[8 * h + i], r[8 * h + 4 + i], 0xdd);
-        }
-      }
-      RINGSPLASH_UNROLL
-      for (int i = 0; i < 8; ++i) {
-        r[i] = _mm512_shuffle_f32x4(t[i], t[8 + i], 0x88);
-        r[8 + i] = _mm512_shuffle_f32x4(t[i], t[8 + i], 0xdd);
-      }
+      Transpose16(r);
       // r[c] is column c0 + c over rows r0 .. r0 + 15 (zero beyond `rows`).
       for (int c = 0; c < nc; ++c) _mm512_storeu_ps(dst + (c0 + c) * ldd + r0, r[c]);
     }
