@@ -53,12 +53,16 @@ class Runner:
     def iters(self, normal):
         return ["--warmup", "1", "--iters", "2" if self.quick else str(normal)]
 
-    def bench(self, *args, iters=5, mpi_np=0, time_v=False):
-        """Runs one bench; returns (list of JSON results, max RSS in KiB or None)."""
+    def bench(self, *args, iters=5, mpi_np=0, time_v=False, kernel=None):
+        """Runs one bench; returns (list of JSON results, max RSS in KiB or None).
+        kernel: a RINGSPLASH_KERNEL value for this run (default: kAuto)."""
         cmd = [self.binary, "bench", *args, *BLOCKS]
         if "--iters" not in args:
             cmd += self.iters(iters)
         env = dict(os.environ)
+        if kernel:
+            env["RINGSPLASH_KERNEL"] = kernel
+            print(f"+ RINGSPLASH_KERNEL={kernel}", file=sys.stderr, flush=True)
         if mpi_np:
             cmd = ["mpirun", "--oversubscribe", "-np", str(mpi_np), *cmd]
             env.update(MPI_ENV)
@@ -76,6 +80,22 @@ class Runner:
         return runs, rss
 
 
+    def auto_path(self):
+        """The kernel path kAuto resolves to here (from a tiny bf16 run)."""
+        if not hasattr(self, "_auto"):
+            runs, _ = self.bench("--seq", "64", "--heads", "1", "--dtype", "bf16",
+                                 "--warmup", "0", "--iters", "1")
+            self._auto = runs[0]["kernel_path"]
+        return self._auto
+
+    def vector_kernel(self):
+        """RINGSPLASH_KERNEL for the bf16 target rows: None (kAuto) unless kAuto
+        is the amx path, whose bf16 forward runs its products on AMX tiles
+        rather than on the vector bf16 / FMA units the targets' peak measures;
+        then avx512, the vector path kAuto picks on AMX CPUs without it."""
+        return "avx512" if self.auto_path() == "amx" else None
+
+
 def repeated(r, metric, run_once):
     """Median of metric(runs) over r.repeats calls of run_once(), and every run."""
     values, all_runs = [], []
@@ -86,9 +106,9 @@ def repeated(r, metric, run_once):
     return statistics.median(values), values, all_runs
 
 
-def fraction_case(r, name, target, *args):
+def fraction_case(r, name, target, *args, kernel=None):
     value, values, runs = repeated(r, lambda rs: rs[0]["fraction_of_peak"],
-                                   lambda: r.bench(*args)[0])
+                                   lambda: r.bench(*args, kernel=kernel)[0])
     return dict(case=name, metric="fraction_of_peak (median of repeats)", value=value,
                 values=values, target=f">= {target}", passed=value >= target, runs=runs)
 
@@ -106,7 +126,24 @@ def case_fwd_f32(r):
 
 
 def case_fwd_bf16(r):
-    return fraction_case(r, "fwd_bf16_d128", 0.65, *BASE, "--head-dim", "128", "--dtype", "bf16")
+    return fraction_case(r, "fwd_bf16_d128", 0.65, *BASE, "--head-dim", "128", "--dtype", "bf16",
+                         kernel=r.vector_kernel())
+
+
+def case_fwd_bf16_amx(r):
+    """Not a target: the bf16 forward on the amx path against the vector path
+    of the fwd_bf16 row, alternating, and its fraction of the AMX tile peak."""
+    name = "fwd_bf16_amx_d128"
+    metric = "GFLOP/s amx path / vector path (median of repeats)"
+    if r.auto_path() != "amx":
+        return dict(case=name, metric=metric, value=None, target="informational",
+                    passed=True, error=f"no amx path here (kAuto is {r.auto_path()})")
+    args = [*BASE, "--head-dim", "128", "--dtype", "bf16"]
+    value, values, runs = repeated(
+        r, lambda rs: rs[0]["gflops"] / rs[1]["gflops"],
+        lambda: r.bench(*args)[0] + r.bench(*args, kernel=r.vector_kernel())[0])
+    return dict(case=name, metric=metric, value=value, values=values, target="informational",
+                passed=True, runs=runs)
 
 
 def case_fwd_f32_d64(r):
@@ -120,7 +157,7 @@ def case_bwd_f32(r):
 
 def case_bwd_bf16(r):
     return fraction_case(r, "bwd_bf16_d128", 0.45, *BASE, "--head-dim", "128", "--dtype", "bf16",
-                         "--pass", "bwd")
+                         "--pass", "bwd", kernel=r.vector_kernel())
 
 
 def case_causal(r):
@@ -210,6 +247,7 @@ def case_memory(r):
 CASES = {
     "fwd_f32": case_fwd_f32,
     "fwd_bf16": case_fwd_bf16,
+    "fwd_bf16_amx": case_fwd_bf16_amx,
     "fwd_f32_d64": case_fwd_f32_d64,
     "bwd_f32": case_bwd_f32,
     "bwd_bf16": case_bwd_bf16,
@@ -253,7 +291,8 @@ def main():
             value = result.get("value")
             print(f"{result['case']:24s} {result.get('metric', ''):55s} "
                   f"{value if value is None else round(value, 3)!s:>8s}  "
-                  f"{result.get('target', '')}  {'PASS' if result['pass'] else 'MISS'}"
+                  f"{result.get('target', '')}  "
+                  f"{'INFO' if result.get('target') == 'informational' else 'PASS' if result['pass'] else 'MISS'}"
                   f"  (load {load:.2f})", flush=True)
     return 1 if failures else 0
 

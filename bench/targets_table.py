@@ -11,7 +11,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 CASES = {
     "fwd_f32_d128": "forward f32, B=1 S=4096 H=Hkv=8 D=128, full, 1 rank x 2 threads",
-    "fwd_bf16_d128": "forward bf16, same",
+    "fwd_bf16_d128": "forward bf16, same (vector path)",
+    "fwd_bf16_amx_d128": "forward bf16, same, amx path vs vector path (not a target)",
     "fwd_f32_d64": "forward f32, same, D=64",
     "bwd_f32_d128": "backward f32 (`--pass bwd`), S=4096 D=128",
     "bwd_bf16_d128": "backward bf16, same",
@@ -35,6 +36,12 @@ def detail(r):
         spread = "runs " + ", ".join(fmt(v) for v in r["values"])
     else:
         spread = ""
+    if case.startswith("fwd_bf16_amx"):
+        amx, vec = runs[0], runs[1]
+        return (f"{spread}; {amx['gflops']:.0f} vs {vec['gflops']:.0f} GFLOP/s; "
+                f"{amx['fraction_of_amx_peak']:.3f} of the AMX tile peak "
+                f"({amx['amx_peak_gflops']:.0f} GFLOP/s), {amx['fraction_of_peak']:.2f} x the "
+                "vector peak")
     if case.startswith(("fwd", "bwd")):
         gf = sorted(run["gflops"] for run in runs)
         pk = sorted(run["peak_gflops"] for run in runs)
@@ -64,8 +71,9 @@ def main():
     for r in rows:
         value = r.get("value")
         measured = "error" if value is None else fmt(value, 1 if value > 10 else 3)
+        met = "—" if r.get("target") == "informational" else "yes" if r["pass"] else "**no**"
         print(f"| {CASES.get(r['case'], r['case'])} | {r.get('target', '')} | {measured} | "
-              f"{'yes' if r['pass'] else '**no**'} | {r['load_avg']} | "
+              f"{met} | {r['load_avg']} | "
               f"{detail(r) if value is not None else r.get('error', '')[:80]} |")
 
 

@@ -10,7 +10,7 @@
 // that relative error of each probability:
 //   out: 1e-4 * max|v| + 64 sqrt(D) u L max|v|, plus 4 * 2^-8 * max|v| when
 //        the inputs or out are 16-bit (probabilities rounded to bf16 before
-//        P V on the avx512_bf16 path, out rounded on store);
+//        P V on the amx path, out rounded on store);
 //   lse: 1e-4 * max(1, max|lse|) + 64 sqrt(D) u L;
 //   gradients (f32 only): 1e-3 of their natural magnitude (the largest
 //        expected value, or the product of the input magnitudes they are

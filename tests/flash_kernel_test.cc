@@ -286,9 +286,9 @@ void CheckAgainstReference(const Shape& sh, DType dtype, const RunConfig& s, boo
   const std::string what = std::string(KernelPathName(s.path)) + " " + DTypeName(dtype) +
                            " d=" + std::to_string(sh.d) + " dv=" + std::to_string(sh.dv) +
                            " sq=" + std::to_string(sh.sq) + " skv=" + std::to_string(sh.skv);
-  // bf16 products (avx512_bf16 and amx with bf16 inputs) compute S exactly like f32
-  // on the rounded inputs (bf16 x bf16 products are exact in f32) but round
-  // P to bf16 (relative 2^-9) for P V. |out_i error| <= 2^-9 sum_j p_ij |v_j|
+  // bf16 products (avx512_bf16 and amx with bf16 inputs) compute S exactly
+  // like f32 on the rounded inputs (bf16 x bf16 products are exact in f32);
+  // amx also rounds P to bf16 (relative 2^-9) for P V. |out_i error| <= 2^-9 sum_j p_ij |v_j|
   // <= 2^-9 max|v|, plus 2x the f32 error allowance for the rest.
   double out_tol = kF32Tol;
   if (dtype == DType::kBF16 && Bf16Products(s.path)) {

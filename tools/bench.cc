@@ -159,6 +159,8 @@ nlohmann::json ToJson(const BenchResult& r) {
       {"peak_method", r.peak_method},
       {"peak_threads", r.peak_threads},
       {"fraction_of_peak", r.fraction_of_peak},
+      {"amx_peak_gflops", r.amx_peak_gflops},
+      {"fraction_of_amx_peak", r.fraction_of_amx_peak},
       {"kernel_flops", r.kernel_flops},
       {"computed_blocks", r.computed_blocks},
       {"skipped_blocks", r.skipped_blocks},

@@ -176,8 +176,11 @@ BenchResult RunBenchOnRank(Communicator& comm, const BenchConfig& c) {
     comm.Barrier();
     peak = MeasurePeak(c.dtype, c.threads_per_rank);
     const std::vector<double> all = AllGather(comm, peak.gflops);
+    const std::vector<double> tiles = AllGather(comm, peak.tile_gflops);
     peak.gflops = 0;
     for (double g : all) peak.gflops += g;
+    peak.tile_gflops = 0;
+    for (double g : tiles) peak.tile_gflops += g;
     peak.threads = c.threads_per_rank * n;
   } else if (rank == 0) {
     peak = MeasurePeak(c.dtype, c.threads_per_rank * n);
@@ -191,6 +194,8 @@ BenchResult RunBenchOnRank(Communicator& comm, const BenchConfig& c) {
   r.peak_method = peak.method;
   r.peak_threads = peak.threads;
   r.fraction_of_peak = r.peak_gflops > 0 ? r.gflops / r.peak_gflops : 0;
+  r.amx_peak_gflops = peak.tile_gflops;
+  r.fraction_of_amx_peak = peak.tile_gflops > 0 ? r.gflops / peak.tile_gflops : 0;
   if (c.check) r.check = CheckSamples(c, mask, samples, c.threads_per_rank * (c.mpi ? 1 : n));
   return r;
 }

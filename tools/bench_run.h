@@ -69,6 +69,9 @@ struct BenchResult {
   std::string peak_method;
   int peak_threads = 0;
   double fraction_of_peak = 0;
+  // bf16 on the amx path only (else 0): the AMX tile peak, and gflops over it.
+  double amx_peak_gflops = 0;
+  double fraction_of_amx_peak = 0;
   int64_t computed_blocks = 0, skipped_blocks = 0;                     // per iteration, all ranks
   std::vector<double> compute_seconds, comm_wait_seconds, rank_flops;  // per rank, per iteration
   double imbalance = 1;                                                // max / mean of rank_flops

@@ -89,6 +89,9 @@ Peak MeasurePeak(DType dtype, int threads, double seconds) {
         peak.method = "avx512 dpbf16_ps";
       }
     }
+    if (dtype == DType::kBF16 && ResolveKernelPath(KernelPath::kAuto) == KernelPath::kAmx) {
+      peak.tile_gflops = MeasureLoop(peak_detail::TileBf16Amx, peak.threads, seconds);
+    }
     return peak;
   }
 #endif

@@ -6,7 +6,11 @@
 // _mm512_dpbf16_ps (32 bf16 pairs x 2 FLOP = 64 FLOP) and the f32 FMA loop
 // (bf16 data can be computed either way). Without AVX-512 but with AVX2:
 // _mm256_fmadd_ps (8 lanes x 2 FLOP). Without either: a portable scalar
-// loop, which is what a portable build could reach. Dispatch is at run time
+// loop, which is what a portable build could reach. On the amx kernel path
+// bf16 runs also measure the AMX tile loop (TDPBF16PS, 16384 FLOP each) into
+// tile_gflops: the bf16 forward's products run there, so its GFLOP/s can
+// exceed the vector peak; gflops stays the vector peak the targets are
+// defined against (docs/PERFORMANCE.md). Dispatch is at run time
 // (SupportedKernelPaths), so one binary runs on any x86-64. Builds for other
 // processors have only the portable loop (the AVX files are not compiled).
 #ifndef RINGSPLASH_TOOLS_PEAK_H_
@@ -24,6 +28,7 @@ struct Peak {
   std::string method;  // "avx512 fmadd_ps", "avx512 dpbf16_ps", "avx2 fmadd_ps",
                        // "portable scalar fma"
   int threads = 0;
+  double tile_gflops = 0;  // AMX tile peak, bf16 on the amx path only (else 0)
 };
 
 // Runs for about `seconds` of wall time.
@@ -35,6 +40,7 @@ namespace peak_detail {
 double FmaF32Avx2(int64_t iters);
 double FmaF32Avx512(int64_t iters);
 double DpBf16Avx512(int64_t iters);
+double TileBf16Amx(int64_t iters);
 }  // namespace peak_detail
 
 }  // namespace ringsplash::cli

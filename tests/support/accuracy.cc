@@ -59,10 +59,11 @@ std::string CheckF32(const OwnedInputs& in, AttentionOptions opt,
 // inputs (what the API was given), so input rounding is not an error of the
 // kernels. What remains:
 //  - forward: f32 accumulation everywhere (error comparable to an f32 run),
-//    except that the avx512_bf16 path rounds the probabilities P to bf16
-//    before the P V product. Each P element then has relative error <= u,
-//    so |d out| <= u * sum_j p_j |v_j| <= u * max|v|: slack u * max|v|
-//    relative to max|out|. lse is accumulated from unrounded P (no slack).
+//    except that the amx path rounds the probabilities P to bf16 before
+//    the P V product (its tile GEMM takes bf16 operands). Each P element
+//    then has relative error <= u, so |d out| <= u * sum_j p_j |v_j| <=
+//    u * max|v|: slack u * max|v| relative to max|out| (on every path). lse is accumulated from
+//    unrounded P (no slack).
 //  - backward: no low-precision products (bf16/f16 operands are widened),
 //    so given the same out and lse its error is that of an f32 run. To keep
 //    the forward's P rounding out of the backward's D = dout . out, the
