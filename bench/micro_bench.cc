@@ -286,10 +286,11 @@ void BM_BackwardTile(benchmark::State& state) {
   SetFlops(state, 2.0 * 2.0 * tile.keys * tile.queries * tile.d);
 }
 
-// The bf16 product (vdpbf16ps) S^T = K Q^T on the same shapes. Args: bq, bkv, d.
+// The bf16 product S^T = K Q^T on the same shapes: vdpbf16ps (avx512_bf16)
+// or AMX tiles (amx). Args: path, bq, bkv, d.
 void BM_GemmBf16Scores(benchmark::State& state) {
-  const int64_t m = state.range(0), n = state.range(1), d = state.range(2);
-  const MicroKernels* mk = KernelsOr(state, KernelPath::kAvx512Bf16);
+  const int64_t m = state.range(1), n = state.range(2), d = state.range(3);
+  const MicroKernels* mk = KernelsOr(state, static_cast<KernelPath>(state.range(0)));
   if (mk == nullptr) return;
   const int64_t ld = PaddedLd(m), d2 = RoundUp(d, 2);
   AlignedBuffer<uint16_t> k(n * d2), qt(d2 * ld);
@@ -454,6 +455,7 @@ void BM_FlashThreads(benchmark::State& state) {
 void FlashArgs(benchmark::internal::Benchmark* b) {
   const auto avx = static_cast<int64_t>(KernelPath::kAvx512);
   const auto bf = static_cast<int64_t>(KernelPath::kAvx512Bf16);
+  const auto amx = static_cast<int64_t>(KernelPath::kAmx);
   const auto avx2 = static_cast<int64_t>(KernelPath::kAvx2);
   const BlockSizes def{128, 128};  // the recommended tile sizes (docs/PERFORMANCE.md)
   for (int64_t bwd : {0, 1}) {
@@ -465,6 +467,7 @@ void FlashArgs(benchmark::internal::Benchmark* b) {
     b->Args({avx, 8192, 128, 0, 2, bwd, def.q, def.kv});
     b->Args({avx, 2048, 128, 1, 0, bwd, def.q, def.kv});
     b->Args({bf, 2048, 128, 1, 0, bwd, def.q, def.kv});
+    b->Args({amx, 2048, 128, 1, 0, bwd, def.q, def.kv});
   }
   // Tile sizes of the sliding window.
   for (const auto& [bq, bkv] : {std::pair<int64_t, int64_t>{64, 64}, {128, 64}, {256, 128}}) {
@@ -489,7 +492,13 @@ BENCHMARK(BM_ForwardTile)->Apply(TileArgsOf);
 BENCHMARK(BM_ForwardTileStride)->Arg(128)->Arg(144)->Arg(256)->Arg(1024);
 BENCHMARK(BM_SoftmaxColumns)->Apply(TileArgsOf);
 BENCHMARK(BM_BackwardTile)->Apply(TileArgsOf);
-BENCHMARK(BM_GemmBf16Scores)->Args({64, 128, 128})->Args({64, 128, 64});
+BENCHMARK(BM_GemmBf16Scores)
+    ->ArgsProduct({{static_cast<int64_t>(KernelPath::kAvx512Bf16),
+                    static_cast<int64_t>(KernelPath::kAmx)},
+                   {64, 128},
+                   {128},
+                   {64, 128}})
+    ->ArgNames({"path", "bq", "bkv", "d"});
 BENCHMARK(BM_PackTransposedF32)->Args({64, 128})->Args({64, 64});
 BENCHMARK(BM_PackRowsF32)->Args({128, 128, 0})->Args({128, 128, 1});
 BENCHMARK(BM_Flash)->Apply(FlashArgs);
