@@ -32,16 +32,19 @@ trap 'rm -rf "$tmp"' EXIT
 python3 - "$json" "$tmp" <<'EOF'
 import json, statistics, sys
 rows = [json.loads(line) for line in open(sys.argv[1]) if line.startswith("{")]
-peaks = {}
+peaks, paths = {}, {}
 for r in rows:
     c = r["config"]
     name = f'{c["pass"]}_{c["dtype"]}'
     with open(f"{sys.argv[2]}/{name}.dat", "a") as f:
         f.write(f'{c["seq"]} {r["gflops"]:.2f} {r["peak_gflops"]:.2f}\n')
     peaks.setdefault(c["dtype"], []).append(r["peak_gflops"])
+    paths[name] = r["kernel_path"]
 with open(f"{sys.argv[2]}/peaks.gp", "w") as f:
     for dtype, values in peaks.items():
         f.write(f"peak_{dtype} = {statistics.median(values):.2f}\n")
+    for name, path in paths.items():
+        f.write(f'path_{name} = "{path}"\n')
 EOF
 
 gnuplot <<EOF
@@ -54,13 +57,13 @@ set ylabel "useful GFLOP/s"
 set logscale x 2
 set xrange [768:11000]
 set yrange [0:*]
-set key bottom right
+set key top left
 set grid
-plot "$tmp/fwd_f32.dat" using 1:2 with linespoints lw 2 pt 7 title "forward f32", \
-     "$tmp/fwd_bf16.dat" using 1:2 with linespoints lw 2 pt 5 title "forward bf16", \
-     "$tmp/bwd_f32.dat" using 1:2 with linespoints lw 2 pt 9 title "backward f32", \
-     "$tmp/bwd_bf16.dat" using 1:2 with linespoints lw 2 pt 11 title "backward bf16", \
+plot "$tmp/fwd_f32.dat" using 1:2 with linespoints lw 2 pt 7 title sprintf("forward f32 (%s)", path_fwd_f32), \
+     "$tmp/fwd_bf16.dat" using 1:2 with linespoints lw 2 pt 5 title sprintf("forward bf16 (%s)", path_fwd_bf16), \
+     "$tmp/bwd_f32.dat" using 1:2 with linespoints lw 2 pt 9 title sprintf("backward f32 (%s)", path_bwd_f32), \
+     "$tmp/bwd_bf16.dat" using 1:2 with linespoints lw 2 pt 11 title sprintf("backward bf16 (%s)", path_bwd_bf16), \
      peak_f32 with lines dt 2 lw 2 lc rgb "black" title sprintf("f32 FMA peak (measured) %.0f", peak_f32), \
-     peak_bf16 with lines dt 3 lw 2 lc rgb "gray40" title sprintf("bf16 peak (measured) %.0f", peak_bf16)
+     peak_bf16 with lines dt 3 lw 2 lc rgb "gray40" title sprintf("bf16 vector peak (measured) %.0f", peak_bf16)
 EOF
 echo "wrote $out/gflops_vs_seq.png from $json"
