@@ -138,11 +138,10 @@ TEST(MicroKernelTest, GemmBf16MatchesDoubleLoopsOnRoundedInputs) {
   if (paths == 0) GTEST_SKIP() << "no path with a bf16 GEMM (needs AVX512_BF16)";
 }
 
-// The amx path's bf16 packers for P V against plain loops: values rounded
+// The amx path's V pair packer for P V against plain loops: values rounded
 // to nearest even exactly as F32ToBF16 does, zero k padding up to whole
-// 16-pair steps, nothing written past it. Shapes with rows (keys) and cols
-// (queries) off every multiple.
-TEST(MicroKernelTest, Bf16PackersForTilePvMatchLoops) {
+// 16-pair steps, nothing written past it. Row (key) counts off every multiple.
+TEST(MicroKernelTest, Bf16PairPackerForTilePvMatchesLoops) {
   int paths = 0;
   for (KernelPath path : SupportedKernelPaths()) {
     const kernels::micro::MicroKernels& mk = kernels::micro::MicroKernelsFor(path);
@@ -171,26 +170,10 @@ TEST(MicroKernelTest, Bf16PackersForTilePvMatchLoops) {
                                  << " cols=" << cols << " p=" << p << " c=" << c;
           }
         }
-        // TransposeBf16 of src (rows x cols): dst[c * ldt + r].
-        for (int64_t n : {cols, cols - 5}) {
-          const int64_t ldt = padded + 16;
-          std::vector<uint16_t> t(static_cast<size_t>((n + 1) * ldt), kCanary);
-          mk.transpose_bf16(rows, n, src.data(), lds, t.data(), ldt);
-          for (int64_t c = 0; c < n + 1; ++c) {
-            for (int64_t r = 0; r < ldt; ++r) {
-              const uint16_t want = c >= n || r >= padded ? kCanary
-                                    : r < rows            ? F32ToBF16(src[r * lds + c])
-                                                          : uint16_t{0};
-              ASSERT_EQ(t[static_cast<size_t>(c * ldt + r)], want)
-                  << KernelPathName(path) << " transpose rows=" << rows << " cols=" << n
-                  << " r=" << r << " c=" << c;
-            }
-          }
-        }
       }
     }
   }
-  if (paths == 0) GTEST_SKIP() << "no path packs bf16 for tile P V (needs AMX)";
+  if (paths == 0) GTEST_SKIP() << "no path packs V pairs for tile P V (needs AMX)";
 }
 
 // rows x lds random floats with a NaN in every column >= cols: what a
@@ -452,7 +435,8 @@ struct RandomTile {
 bool CheckForwardStep(const RandomTile& tile, bool masked, float softcap,
                       const std::vector<float>& max0, const std::vector<float>& sum0,
                       const std::vector<float>& row_max, const std::vector<float>& row_sum,
-                      const std::vector<float>& alpha, const std::string& what) {
+                      const std::vector<float>& alpha, const std::string& what,
+                      double p_rel = 0.0) {
   bool lazy = true;
   for (int64_t i = 0; i < RandomTile::kQueries; ++i) {
     const double shift = row_max[i] == -kInf ? 0.0 : row_max[i];
@@ -468,7 +452,7 @@ bool CheckForwardStep(const RandomTile& tile, bool masked, float softcap,
       // polynomial adds ~2e-7 relative: 4x margin on the last two.
       const double arg_err = tile.LogitErr(j, i) +
                              4.0 * 0x1p-24 * ((x != -kInf ? std::abs(x) : 0.0) + std::abs(shift));
-      const double tol = 1e-7 + p * (arg_err + 8e-7);
+      const double tol = 1e-7 + p * (arg_err + 8e-7 + p_rel);
       const float got = tile.pt[j * RandomTile::kLd + i];
       // Whatever the step, nothing may come near overflow.
       if (!(std::abs(got - p) <= tol) || !(got <= kernels::micro::kLazySumLimit)) {
@@ -497,6 +481,71 @@ bool CheckForwardStep(const RandomTile& tile, bool masked, float softcap,
     lazy = lazy && alpha[i] == 1.0f && row_max[i] == max0[i] && max0[i] != -kInf;
   }
   return lazy;
+}
+
+// The raw products K Q^T of the tile into its P^T buffer (what the score
+// GEMM leaves for SoftmaxColumnsFn and SoftmaxBf16Fn), from double sums.
+void StoreProducts(RandomTile& tile) {
+  for (int64_t j = 0; j < RandomTile::kKeys; ++j) {
+    for (int64_t i = 0; i < RandomTile::kLd; ++i) {
+      double s = 0;
+      for (int64_t p = 0; p < RandomTile::kD; ++p) {
+        s += double{tile.k[j * RandomTile::kD + p]} * tile.qt[p * RandomTile::kLd + i];
+      }
+      tile.pt[j * RandomTile::kLd + i] = static_cast<float>(s);
+    }
+  }
+}
+
+// SoftmaxBf16Fn (amx): the ForwardTileFn contract with P as bf16 rows
+// (relative rounding <= 2^-8, bf16's unit roundoff, on top of
+// CheckForwardStep's bound), zero keys up
+// to RoundUp(keys, 32), nothing written past them. From max0 (exact for the
+// even queries), from the state reached (lazy unless a max is still -inf)
+// and from a reference far below the logits (exact again: no overflow).
+void CheckSoftmaxBf16(const kernels::micro::MicroKernels& mk, RandomTile& tile, bool masked,
+                      float softcap, const std::vector<float>& max0, const std::string& what) {
+  constexpr int64_t nq = RandomTile::kQueries, kKeys = RandomTile::kKeys;
+  constexpr int64_t kPadded = 32, kLdp = kPadded + 8;
+  constexpr uint16_t kCanary = 0xABCD;
+  std::vector<float> row_max = max0, row_sum(nq), alpha(nq);
+  for (int64_t i = 0; i < nq; ++i) row_sum[i] = max0[i] == -kInf ? 0.0f : 1.5f;
+  auto step = [&](const std::vector<float>& from_max, const std::vector<float>& from_sum,
+                  const std::string& label) {
+    StoreProducts(tile);
+    row_max = from_max;
+    row_sum = from_sum;
+    std::vector<uint16_t> p(static_cast<size_t>((nq + 1) * kLdp), kCanary);
+    mk.softmax_bf16(tile.Args(masked, softcap), row_max.data(), row_sum.data(), alpha.data(),
+                    p.data(), kLdp);
+    for (int64_t i = 0; i < nq + 1; ++i) {
+      for (int64_t j = 0; j < kLdp; ++j) {
+        const uint16_t got = p[static_cast<size_t>(i * kLdp + j)];
+        if (i >= nq || j >= kPadded) {
+          EXPECT_EQ(got, kCanary) << label << " i=" << i << " j=" << j;
+        } else if (j >= kKeys) {
+          EXPECT_EQ(got, 0) << label << " i=" << i << " j=" << j;
+        } else {
+          tile.pt[j * RandomTile::kLd + i] = BF16ToF32(got);  // for CheckForwardStep
+        }
+      }
+    }
+    return CheckForwardStep(tile, masked, softcap, from_max, from_sum, row_max, row_sum, alpha,
+                            label, 0x1p-8);
+  };
+  std::vector<float> sum0 = row_sum;
+  step(max0, sum0, "softmax_bf16 " + what);
+  const std::vector<float> max1 = row_max, sum1 = row_sum;
+  bool any_inf = false;
+  for (float x : max1) any_inf = any_inf || x == -kInf;
+  const bool lazy = step(max1, sum1, "softmax_bf16 again " + what);
+  if (!any_inf && softcap == 0.0f) {
+    EXPECT_TRUE(lazy) << what;
+  }
+  if (softcap == 0.0f) {  // (with a cap the step is always exact)
+    const std::vector<float> low(nq, -200.0f), sum_low(nq, 1.0f);
+    EXPECT_FALSE(step(low, sum_low, "softmax_bf16 low " + what));
+  }
 }
 
 TEST(MicroKernelTest, SoftmaxColumnsAndForwardTileMatchDoubleMath) {
@@ -561,6 +610,7 @@ TEST(MicroKernelTest, SoftmaxColumnsAndForwardTileMatchDoubleMath) {
             EXPECT_FALSE(CheckForwardStep(tile, masked, softcap, low, sum_low, row_max, row_sum,
                                           alpha, "tile low " + what));
           }
+          if (mk.softmax_bf16 != nullptr) CheckSoftmaxBf16(mk, tile, masked, softcap, max0, what);
         }
       }
     }

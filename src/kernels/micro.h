@@ -60,16 +60,11 @@ using GemmBf16Fn = void (*)(int64_t m, int64_t n, int64_t k2, const uint16_t* a,
                             const uint16_t* b, int64_t ldb, float* c, int64_t ldc,
                             const float* row_scale, bool accumulate);
 
-// bf16 operands of an AMX P V (micro_amx.cc), rounded to nearest even:
-// PackPairsBf16: B = src[rows x cols] pair-interleaved,
+// B operand of the amx forward's tile P V (micro_amx.cc): V rows as bf16
+// pairs, rounded to nearest even,
 //   dst[((r / 2) * ldd + c) * 2 + r % 2] = bf16(src[r * lds + c]), zero rows
 //   from `rows` to RoundUp(rows, 32) (whole 16-pair k steps); cols % 16 == 0.
-// TransposeBf16: A = src^T for a src[rows x cols] (P^T: keys x queries),
-//   dst[c * ldd + r] = bf16(src[r * lds + c]) for c < cols, and zero for
-//   rows <= r < RoundUp(rows, 32) <= ldd.
 using PackPairsBf16Fn = void (*)(int64_t rows, int64_t cols, const float* src, int64_t lds,
-                                 uint16_t* dst, int64_t ldd);
-using TransposeBf16Fn = void (*)(int64_t rows, int64_t cols, const float* src, int64_t lds,
                                  uint16_t* dst, int64_t ldd);
 
 // dst[c * ldd + r] = src[r * lds + c] for r < rows, c < cols, and 0 for
@@ -148,6 +143,15 @@ using SoftmaxColumnsFn = void (*)(const TileArgs& t, float* row_max, float* row_
 // lse = row_max + log(l) are unchanged up to rounding, and the result is
 // still a deterministic function of the inputs and tile order.
 constexpr float kLazySumLimit = 1048576.0f;  // 2^20
+
+// The amx forward's step: that of ForwardTileFn (exact, or lazy) on the raw
+// products already in t.pt (as SoftmaxColumnsFn takes them), but P is
+// written only as bf16 rows, the A operand of the tile P V:
+//   p[i * ldpb + j] = bf16(P^T_ji) for i < queries, j < keys, and zero for
+//   keys <= j < RoundUp(keys, 32) <= ldpb.
+// t.pt is clobbered; t.scratch needs RoundUp(queries, 16) floats.
+using SoftmaxBf16Fn = void (*)(const TileArgs& t, float* row_max, float* row_sum, float* alpha,
+                               uint16_t* p, int64_t ldpb);
 using ForwardTileFn = void (*)(const TileArgs& t, float* row_max, float* row_sum, float* alpha);
 
 // Backward tile: P^T_ji = exp(x_ji - lse_i) (0 where masked or lse_i = -inf)
@@ -174,7 +178,7 @@ struct MicroKernels {
   GemmBf16Fn gemm_bf16 = nullptr;  // only on the avx512_bf16 and amx paths
   // Only on the amx path: the bf16 forward's P V on tiles (P rounded to bf16).
   PackPairsBf16Fn pack_pairs_bf16 = nullptr;
-  TransposeBf16Fn transpose_bf16 = nullptr;
+  SoftmaxBf16Fn softmax_bf16 = nullptr;
   TransposeF32Fn transpose_f32 = nullptr;
   CopyRowsF32Fn copy_rows_f32 = nullptr;
   MaskBitsFn mask_bits = nullptr;

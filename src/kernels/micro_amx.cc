@@ -2,9 +2,9 @@
 // AVX512_BF16 flags; called only after runtime detection, which also asks
 // Linux for the tile-data permission: cpu_features.cc). The "amx" path is the
 // avx512_bf16 table with GemmBf16 on AMX tiles — the bf16 forward's score
-// products K Q^T and, with P rounded to bf16 (TransposeBf16) and V packed as
-// pairs (PackPairsBf16), its P V. Everything else stays on the AVX-512
-// kernels.
+// products K Q^T and, with P rounded to bf16 rows by its softmax step
+// (SoftmaxBf16) and V packed as pairs (PackPairsBf16), its P V. Everything
+// else stays on the AVX-512 kernels.
 //
 // TDPBF16PS multiplies a 16 x 32 bf16 tile A (16 rows, 16 pairs) by a 16 x 16
 // pair-interleaved tile B (16 pair rows x 16 columns x 2) into 16 x 16 f32 C,
@@ -28,10 +28,13 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 
 #include "src/kernels/micro.h"
 #include "src/kernels/micro_avx512.h"
+#include "src/kernels/micro_fused_avx512.h"
+#include "src/kernels/micro_math_avx512.h"
 
 namespace ringsplash::kernels::micro {
 namespace {
@@ -137,10 +140,6 @@ void GemmBf16Amx(int64_t m, int64_t n, int64_t k2, const uint16_t* a, int64_t ld
   }
 }
 
-__mmask16 Lanes(int64_t n) {
-  return n >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << n) - 1u);
-}
-
 // Pairs of rows (2t, 2t + 1), 16 columns at a time: both rounded to bf16 into
 // one vector [row 2t | row 2t + 1], then interleaved element by element.
 void PackPairsBf16(int64_t rows, int64_t cols, const float* src, int64_t lds, uint16_t* dst,
@@ -169,7 +168,7 @@ void TransposeBf16(int64_t rows, int64_t cols, const float* src, int64_t lds, ui
   const int64_t padded = (rows + 31) / 32 * 32;
   for (int64_t c0 = 0; c0 < cols; c0 += 16) {
     const int64_t nc = std::min<int64_t>(16, cols - c0);
-    const __mmask16 in = Lanes(nc);
+    const __mmask16 in = avx512::LaneMask(nc);
     for (int64_t r0 = 0; r0 < padded; r0 += 32) {
       __m512 lo[16], hi[16];
       RINGSPLASH_UNROLL
@@ -189,6 +188,78 @@ void TransposeBf16(int64_t rows, int64_t cols, const float* src, int64_t lds, ui
   }
 }
 
+// The lazy step of ForwardTileFn on stored products, decided before anything
+// is written: a first pass bounds every exponent x * log2 e - m_i * log2 e
+// of the tile by log2(kLazySumLimit / keys), so each query's sum stays within
+// the limit; only then does the second pass compute P (Exp2Raw512, as the
+// fused f32 tile) 16 keys x 16 queries at a time and write it transposed as
+// bf16 rows. false (nothing written) when some query needs the exact step.
+bool LazyStepBf16(const TileArgs& t, float* row_max, float* row_sum, float* alpha, uint16_t* p,
+                  int64_t ldpb) {
+  using avx512::Allowed16;
+  using avx512::LaneMask;
+  const int64_t mp = RoundUp(t.queries, kVec);
+  const __m512 neg_inf = _mm512_set1_ps(avx512::kNegInf);
+  const __m512 c2 = _mm512_set1_ps(t.scale * avx512::kLog2e);
+  const __m512 bound =
+      _mm512_set1_ps(std::log2(kLazySumLimit / static_cast<float>(std::max<int64_t>(t.keys, 1))));
+  float* m2 = t.scratch;  // [mp] row_max * log2 e
+  for (int64_t i0 = 0; i0 < mp; i0 += 16) {
+    const __mmask16 live = LaneMask(t.queries - i0);
+    const __m512 m = _mm512_maskz_loadu_ps(live, row_max + i0);
+    if (_mm512_mask_cmp_ps_mask(live, m, neg_inf, _CMP_EQ_OQ) != 0) return false;
+    const __m512 shift = _mm512_mul_ps(m, _mm512_set1_ps(avx512::kLog2e));
+    _mm512_store_ps(m2 + i0, shift);
+    __m512 emax = neg_inf;
+    for (int64_t j = 0; j < t.keys; ++j) {
+      __m512 e = _mm512_fmsub_ps(_mm512_loadu_ps(t.pt + j * t.ldp + i0), c2, shift);
+      if (t.mask != nullptr) e = _mm512_mask_blend_ps(Allowed16(t, j, i0), neg_inf, e);
+      emax = _mm512_max_ps(emax, e);
+    }
+    if (_mm512_mask_cmp_ps_mask(live, emax, bound, _CMP_LE_OQ) != live) return false;
+  }
+  const int64_t padded = RoundUp(t.keys, 32);
+  for (int64_t i0 = 0; i0 < mp; i0 += 16) {
+    const __mmask16 live = LaneMask(t.queries - i0);
+    const int64_t nq = std::min<int64_t>(16, t.queries - i0);
+    const __m512 shift = _mm512_load_ps(m2 + i0);
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t j0 = 0; j0 < padded; j0 += 16) {
+      __m512 r[16];
+      RINGSPLASH_UNROLL
+      for (int jj = 0; jj < 16; ++jj) {
+        const int64_t j = j0 + jj;
+        if (j >= t.keys) {
+          r[jj] = _mm512_setzero_ps();
+          continue;
+        }
+        __m512 v = Exp2Raw512(_mm512_fmsub_ps(_mm512_loadu_ps(t.pt + j * t.ldp + i0), c2, shift));
+        if (t.mask != nullptr) v = _mm512_maskz_mov_ps(Allowed16(t, j, i0), v);
+        sum = _mm512_add_ps(sum, v);
+        r[jj] = v;
+      }
+      Transpose16(r);  // r[c]: query i0 + c over keys j0 .. j0 + 15
+      for (int64_t c = 0; c < nq; ++c) {
+        const __m256i row = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(r[c]));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + (i0 + c) * ldpb + j0), row);
+      }
+    }
+    _mm512_mask_storeu_ps(row_sum + i0, live,
+                          _mm512_add_ps(_mm512_maskz_loadu_ps(live, row_sum + i0), sum));
+    _mm512_mask_storeu_ps(alpha + i0, live, _mm512_set1_ps(1.0f));
+  }
+  return true;
+}
+
+// SoftmaxBf16Fn: the lazy step where it applies (no soft cap), else the
+// exact AVX-512 step in place and its P^T transposed to bf16 rows.
+void SoftmaxBf16(const TileArgs& t, float* row_max, float* row_sum, float* alpha, uint16_t* p,
+                 int64_t ldpb) {
+  if (t.softcap == 0.0f && LazyStepBf16(t, row_max, row_sum, alpha, p, ldpb)) return;
+  avx512::SoftmaxColumns(t, row_max, row_sum, alpha);
+  TransposeBf16(t.keys, t.queries, t.pt, t.ldp, p, ldpb);
+}
+
 }  // namespace
 
 const MicroKernels& AmxMicroKernels() {
@@ -197,7 +268,7 @@ const MicroKernels& AmxMicroKernels() {
     t.name = "amx";
     t.gemm_bf16 = GemmBf16Amx;
     t.pack_pairs_bf16 = PackPairsBf16;
-    t.transpose_bf16 = TransposeBf16;
+    t.softmax_bf16 = SoftmaxBf16;
     return t;
   }();
   return table;
