@@ -188,12 +188,13 @@ void TransposeBf16(int64_t rows, int64_t cols, const float* src, int64_t lds, ui
   }
 }
 
-// The lazy step of ForwardTileFn on stored products, decided before anything
-// is written: a first pass bounds every exponent x * log2 e - m_i * log2 e
-// of the tile by log2(kLazySumLimit / keys), so each query's sum stays within
-// the limit; only then does the second pass compute P (Exp2Raw512, as the
-// fused f32 tile) 16 keys x 16 queries at a time and write it transposed as
-// bf16 rows. false (nothing written) when some query needs the exact step.
+// The lazy step of ForwardTileFn on stored products, in one pass: P is
+// computed (Exp2Raw512, as in the fused f32 tile) 16 keys x 16 queries in
+// registers and written transposed as bf16 rows, while the largest exponent
+// x * log2 e - m_i * log2 e of each query is tracked. If one exceeds
+// log2(kLazySumLimit / keys) (so the query's sum could pass the limit) the
+// step is abandoned: false, with row_sum and alpha untouched (they are
+// committed last) and t.pt intact, for the exact step to redo P.
 bool LazyStepBf16(const TileArgs& t, float* row_max, float* row_sum, float* alpha, uint16_t* p,
                   int64_t ldpb) {
   using avx512::Allowed16;
@@ -203,27 +204,16 @@ bool LazyStepBf16(const TileArgs& t, float* row_max, float* row_sum, float* alph
   const __m512 c2 = _mm512_set1_ps(t.scale * avx512::kLog2e);
   const __m512 bound =
       _mm512_set1_ps(std::log2(kLazySumLimit / static_cast<float>(std::max<int64_t>(t.keys, 1))));
-  float* m2 = t.scratch;  // [mp] row_max * log2 e
-  for (int64_t i0 = 0; i0 < mp; i0 += 16) {
-    const __mmask16 live = LaneMask(t.queries - i0);
-    const __m512 m = _mm512_maskz_loadu_ps(live, row_max + i0);
-    if (_mm512_mask_cmp_ps_mask(live, m, neg_inf, _CMP_EQ_OQ) != 0) return false;
-    const __m512 shift = _mm512_mul_ps(m, _mm512_set1_ps(avx512::kLog2e));
-    _mm512_store_ps(m2 + i0, shift);
-    __m512 emax = neg_inf;
-    for (int64_t j = 0; j < t.keys; ++j) {
-      __m512 e = _mm512_fmsub_ps(_mm512_loadu_ps(t.pt + j * t.ldp + i0), c2, shift);
-      if (t.mask != nullptr) e = _mm512_mask_blend_ps(Allowed16(t, j, i0), neg_inf, e);
-      emax = _mm512_max_ps(emax, e);
-    }
-    if (_mm512_mask_cmp_ps_mask(live, emax, bound, _CMP_LE_OQ) != live) return false;
-  }
   const int64_t padded = RoundUp(t.keys, 32);
+  float* sums = t.scratch;  // [mp], committed once every query passed
   for (int64_t i0 = 0; i0 < mp; i0 += 16) {
     const __mmask16 live = LaneMask(t.queries - i0);
     const int64_t nq = std::min<int64_t>(16, t.queries - i0);
-    const __m512 shift = _mm512_load_ps(m2 + i0);
-    __m512 sum = _mm512_setzero_ps();
+    const __m512 m = _mm512_maskz_loadu_ps(live, row_max + i0);
+    // A query without a finite reference yet (first tile, or masked so far).
+    if (_mm512_mask_cmp_ps_mask(live, m, neg_inf, _CMP_EQ_OQ) != 0) return false;
+    const __m512 shift = _mm512_mul_ps(m, _mm512_set1_ps(avx512::kLog2e));
+    __m512 sum = _mm512_setzero_ps(), emax = neg_inf;
     for (int64_t j0 = 0; j0 < padded; j0 += 16) {
       __m512 r[16];
       RINGSPLASH_UNROLL
@@ -233,8 +223,15 @@ bool LazyStepBf16(const TileArgs& t, float* row_max, float* row_sum, float* alph
           r[jj] = _mm512_setzero_ps();
           continue;
         }
-        __m512 v = Exp2Raw512(_mm512_fmsub_ps(_mm512_loadu_ps(t.pt + j * t.ldp + i0), c2, shift));
-        if (t.mask != nullptr) v = _mm512_maskz_mov_ps(Allowed16(t, j, i0), v);
+        const __m512 e = _mm512_fmsub_ps(_mm512_loadu_ps(t.pt + j * t.ldp + i0), c2, shift);
+        __m512 v = Exp2Raw512(e);
+        if (t.mask != nullptr) {
+          const __mmask16 allowed = Allowed16(t, j, i0);
+          emax = _mm512_max_ps(emax, _mm512_mask_blend_ps(allowed, neg_inf, e));
+          v = _mm512_maskz_mov_ps(allowed, v);
+        } else {
+          emax = _mm512_max_ps(emax, e);
+        }
         sum = _mm512_add_ps(sum, v);
         r[jj] = v;
       }
@@ -244,8 +241,14 @@ bool LazyStepBf16(const TileArgs& t, float* row_max, float* row_sum, float* alph
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + (i0 + c) * ldpb + j0), row);
       }
     }
-    _mm512_mask_storeu_ps(row_sum + i0, live,
-                          _mm512_add_ps(_mm512_maskz_loadu_ps(live, row_sum + i0), sum));
+    if (_mm512_mask_cmp_ps_mask(live, emax, bound, _CMP_LE_OQ) != live) return false;
+    _mm512_store_ps(sums + i0, sum);
+  }
+  for (int64_t i0 = 0; i0 < mp; i0 += 16) {
+    const __mmask16 live = LaneMask(t.queries - i0);
+    _mm512_mask_storeu_ps(
+        row_sum + i0, live,
+        _mm512_add_ps(_mm512_maskz_loadu_ps(live, row_sum + i0), _mm512_load_ps(sums + i0)));
     _mm512_mask_storeu_ps(alpha + i0, live, _mm512_set1_ps(1.0f));
   }
   return true;
