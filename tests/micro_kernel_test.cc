@@ -617,45 +617,68 @@ TEST(MicroKernelTest, SoftmaxColumnsAndForwardTileMatchDoubleMath) {
   }
 }
 
+// Also with products_stored (the amx path's tile scores): S^T and dP^T
+// stored beforehand (from double sums), the epilogues run on them in place.
+// Only the AVX-512 kernels (avx512, avx512_bf16, amx) take that mode.
 TEST(MicroKernelTest, BackwardTileMatchesDoubleMath) {
   Rng rng(4);
   for (KernelPath path : SupportedKernelPaths()) {
     const kernels::micro::MicroKernels& mk = kernels::micro::MicroKernelsFor(path);
-    for (float softcap : {0.0f, 5.0f}) {
-      for (bool masked : {false, true}) {
-        RandomTile tile(rng, 1.0f);
-        const int64_t nq = RandomTile::kQueries;
-        std::vector<float> lse(nq), delta = RandomFloats(rng, nq);
-        for (int64_t i = 0; i < nq; ++i) lse[i] = i == 5 ? -kInf : 1.0f + 0.1f * i;
-        kernels::micro::BackwardTileArgs b;
-        b.t = tile.Args(masked, softcap);
-        b.dv = RandomTile::kDv;
-        b.v = tile.v.data();
-        b.ldv = RandomTile::kDv;
-        b.dot = tile.dot.data();
-        b.lse = lse.data();
-        b.delta = delta.data();
-        b.ds = tile.ds.data();
-        b.deriv = tile.deriv.data();
-        mk.backward_tile(b);
-        for (int64_t j = 0; j < RandomTile::kKeys; ++j) {
-          for (int64_t i = 0; i < nq; ++i) {
-            const double x = tile.Logit(j, i, masked, softcap);
-            const double p = lse[i] == -kInf ? 0.0 : std::exp(x - lse[i]);
-            double dp = 0;
-            for (int64_t c = 0; c < RandomTile::kDv; ++c) {
-              dp += double{tile.v[j * RandomTile::kDv + c]} * tile.dot[c * RandomTile::kLd + i];
+    const bool avx512 =
+        path == KernelPath::kAvx512 || path == KernelPath::kAvx512Bf16 || path == KernelPath::kAmx;
+    for (bool stored : {false, true}) {
+      if (stored && !avx512) continue;
+      for (float softcap : {0.0f, 5.0f}) {
+        for (bool masked : {false, true}) {
+          RandomTile tile(rng, 1.0f);
+          const int64_t nq = RandomTile::kQueries;
+          std::vector<float> lse(nq), delta = RandomFloats(rng, nq);
+          for (int64_t i = 0; i < nq; ++i) lse[i] = i == 5 ? -kInf : 1.0f + 0.1f * i;
+          kernels::micro::BackwardTileArgs b;
+          b.t = tile.Args(masked, softcap);
+          b.dv = RandomTile::kDv;
+          b.v = tile.v.data();
+          b.ldv = RandomTile::kDv;
+          b.dot = tile.dot.data();
+          b.lse = lse.data();
+          b.delta = delta.data();
+          b.ds = tile.ds.data();
+          b.deriv = tile.deriv.data();
+          if (stored) {
+            StoreProducts(tile);
+            for (int64_t j = 0; j < RandomTile::kKeys; ++j) {
+              for (int64_t i = 0; i < RandomTile::kLd; ++i) {
+                double dp = 0;
+                for (int64_t c = 0; c < RandomTile::kDv; ++c) {
+                  dp += double{tile.v[j * RandomTile::kDv + c]} * tile.dot[c * RandomTile::kLd + i];
+                }
+                tile.ds[j * RandomTile::kLd + i] = static_cast<float>(dp);
+              }
             }
-            double ds = tile.scale * p * (dp - delta[i]);
-            if (softcap > 0) {
-              const double th = std::tanh(tile.Logit(j, i, false, 0.0f) / softcap);
-              ds *= 1.0 - th * th;
+            b.products_stored = true;
+            b.t.k = nullptr;  // unused in this mode
+            b.v = nullptr;
+          }
+          mk.backward_tile(b);
+          for (int64_t j = 0; j < RandomTile::kKeys; ++j) {
+            for (int64_t i = 0; i < nq; ++i) {
+              const double x = tile.Logit(j, i, masked, softcap);
+              const double p = lse[i] == -kInf ? 0.0 : std::exp(x - lse[i]);
+              double dp = 0;
+              for (int64_t c = 0; c < RandomTile::kDv; ++c) {
+                dp += double{tile.v[j * RandomTile::kDv + c]} * tile.dot[c * RandomTile::kLd + i];
+              }
+              double ds = tile.scale * p * (dp - delta[i]);
+              if (softcap > 0) {
+                const double th = std::tanh(tile.Logit(j, i, false, 0.0f) / softcap);
+                ds *= 1.0 - th * th;
+              }
+              // |x|, |lse| <= ~5: exp's argument is good to ~1e-6, p <= ~1,
+              // dp sums 24 products of |.| <= 1 (~1e-6 absolute).
+              const size_t o = static_cast<size_t>(j * RandomTile::kLd + i);
+              ASSERT_NEAR(tile.pt[o], p, 4e-6 * (p + 1e-3)) << KernelPathName(path) << stored;
+              ASSERT_NEAR(tile.ds[o], ds, 4e-6) << KernelPathName(path) << stored;
             }
-            // |x|, |lse| <= ~5: exp's argument is good to ~1e-6, p <= ~1,
-            // dp sums 24 products of |.| <= 1 (~1e-6 absolute).
-            const size_t o = static_cast<size_t>(j * RandomTile::kLd + i);
-            ASSERT_NEAR(tile.pt[o], p, 4e-6 * (p + 1e-3)) << KernelPathName(path);
-            ASSERT_NEAR(tile.ds[o], ds, 4e-6) << KernelPathName(path);
           }
         }
       }

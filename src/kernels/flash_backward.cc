@@ -7,6 +7,10 @@
 // and three products consume them:
 //   dV_kvb += P^T dO,  dK_kvb += dS^T Q,  dQ_qb += dS K  (dS = dS^T read column-major).
 // That is the five products the FLOP count of the CLI assumes (2.5 x forward).
+// On the amx path with bf16 q, k, v and dout the first two products run on
+// AMX tiles from bf16 operands (exact products, f32 sums; Context::
+// tile_scores) and the kernel's epilogues then read them from memory; the
+// other three stay f32.
 //
 // Determinism without float atomics: every accumulator is owned by one task
 // and summed in a fixed order —
@@ -38,12 +42,15 @@ using micro::RoundUp;
 
 // The q-side operands of one (b, h, q block) as f32: Q^T [d][ld_q] and dO^T
 // [dv][ld_q] (B operands of the scores), Q [bq][ld_d] and dO [bq][ld_dv]
-// (B operands of dK and dV).
+// (B operands of dK and dV); with tile scores also Q^T and dO^T as bf16
+// pairs (B operands of the tile GEMMs, micro.h; ld ld_q), else null.
 struct QTile {
   const float* qt;
   const float* dot;
   const float* q;
   const float* dout;
+  const uint16_t* qt_pairs;
+  const uint16_t* dot_pairs;
 };
 
 // Where the q-side tiles come from: packed once per call, or — when every kv
@@ -57,13 +64,16 @@ class QSide {
   static constexpr int64_t kBudgetBytes = 2 << 20;  // per-thread copies: L2-sized
 
   QSide(const FlashParams& p, const TensorView& dout, const Geometry& g,
-        const micro::MicroKernels& mk, const TilePlan& cols, ThreadPool& pool)
+        const micro::MicroKernels& mk, const TilePlan& cols, ThreadPool& pool, bool pairs)
       : p_(p), dout_(dout), g_(g), mk_(mk), id_(NewCallId()) {
     qt_elems_ = g.d * g.ld_q;
     dot_elems_ = g.dv * g.ld_q;
     q_elems_ = g.bq * g.ld_d;
     do_elems_ = g.bq * g.ld_dv;
-    elems_ = qt_elems_ + dot_elems_ + q_elems_ + do_elems_;
+    // bf16 pairs of Q^T and dO^T (k padded to whole 16-pair steps), two per float.
+    qt_pair_elems_ = pairs ? RoundUp(g.d, 32) * g.ld_q / 2 : 0;
+    dot_pair_elems_ = pairs ? RoundUp(g.dv, 32) * g.ld_q / 2 : 0;
+    elems_ = qt_elems_ + dot_elems_ + q_elems_ + do_elems_ + qt_pair_elems_ + dot_pair_elems_;
     // Per thread when the q tiles of any kv tile (over its group's heads),
     // plus the one its successor adds, fit in the copies.
     const int64_t slots = TileCopies::Slots(elems_, kBudgetBytes);
@@ -100,8 +110,14 @@ class QSide {
     } else {
       base = all_.data() + t * elems_;
     }
-    return {base, base + qt_elems_, base + qt_elems_ + dot_elems_,
-            base + qt_elems_ + dot_elems_ + q_elems_};
+    const float* pairs = base + qt_elems_ + dot_elems_ + q_elems_ + do_elems_;
+    const bool with_pairs = qt_pair_elems_ > 0;
+    return {base,
+            base + qt_elems_,
+            base + qt_elems_ + dot_elems_,
+            base + qt_elems_ + dot_elems_ + q_elems_,
+            with_pairs ? reinterpret_cast<const uint16_t*>(pairs) : nullptr,
+            with_pairs ? reinterpret_cast<const uint16_t*>(pairs + qt_pair_elems_) : nullptr};
   }
 
  private:
@@ -112,6 +128,14 @@ class QSide {
     PackRowsF32(Slab{&p_.q, b, h, r0, m, g_.d}, dst + qt_elems_ + dot_elems_, g_.ld_d, m);
     PackRowsF32(Slab{&dout_, b, h, r0, m, g_.dv}, dst + qt_elems_ + dot_elems_ + q_elems_, g_.ld_dv,
                 m);
+    if (qt_pair_elems_ > 0) {
+      // From the f32 copies just made: bf16 inputs, so exact.
+      const int64_t mp = RoundUp(m, micro::kVec);
+      auto* pairs =
+          reinterpret_cast<uint16_t*>(dst + qt_elems_ + dot_elems_ + q_elems_ + do_elems_);
+      mk_.pack_pairs_bf16(g_.d, mp, dst, g_.ld_q, pairs, g_.ld_q);
+      mk_.pack_pairs_bf16(g_.dv, mp, dst + qt_elems_, g_.ld_q, pairs + 2 * qt_pair_elems_, g_.ld_q);
+    }
   }
 
   const FlashParams& p_;
@@ -120,6 +144,7 @@ class QSide {
   const micro::MicroKernels& mk_;
   uint64_t id_;
   int64_t qt_elems_ = 0, dot_elems_ = 0, q_elems_ = 0, do_elems_ = 0, elems_ = 0;
+  int64_t qt_pair_elems_ = 0, dot_pair_elems_ = 0;
   bool per_thread_ = false;
   AlignedBuffer<float> all_;
 };
@@ -127,13 +152,20 @@ class QSide {
 // Per-thread scratch of one tile.
 struct Workspace {
   AlignedBuffer<float> pt, ds, deriv, tile, dk, dv, dq;
+  // Tile scores (amx path, bf16 q, k, v and dout): K and V rows as bf16
+  // (ld RoundUp(D, 2), RoundUp(Dv, 2)); the q side's pairs are in QTile.
+  AlignedBuffer<uint16_t> k_bf16, v_bf16;
   TileMask mask;
   TileCopies q_copies;   // QSide's per-thread mode
   KvTileCache kv_cache;  // where K and V are read (this thread's copies, or the call's)
   bool masked = false;   // whether the tile in pt / ds has a mask (then `mask` holds it)
 
-  static Workspace& ForThisThread(const Geometry& g, bool capped) {
+  static Workspace& ForThisThread(const Geometry& g, bool capped, bool tile_scores) {
     thread_local Workspace ws;
+    if (tile_scores) {
+      Grow(ws.k_bf16, g.bkv * RoundUp(g.d, 2));
+      Grow(ws.v_bf16, g.bkv * RoundUp(g.dv, 2));
+    }
     Grow(ws.pt, g.bkv * g.ld_q);
     Grow(ws.ds, g.bkv * g.ld_q);
     if (capped) Grow(ws.deriv, g.bkv * g.ld_q);
@@ -156,7 +188,36 @@ struct Context {
   const KvRows& kv;
   const float* lse;
   const float* delta;
+  // S^T = K Q^T and dP^T = V dO^T on AMX tiles (amx path; q, k, v and dout
+  // bf16, so their f32 copies hold bf16 values and the bf16 operands made
+  // from them are exact): products stored, then BackwardTile's epilogues.
+  bool tile_scores;
 };
+
+// Whether this call computes its score products on tiles (Context).
+bool TileScores(const FlashParams& p, const TensorView& dout, const micro::MicroKernels& mk) {
+  return p.q.dtype == DType::kBF16 && dout.dtype == DType::kBF16 && mk.pack_pairs_bf16 != nullptr &&
+         mk.gemm_bf16 != nullptr;
+}
+
+// rows x cols f32 (holding bf16 values) at stride lds as bf16 rows of ldd
+// (>= RoundUp(cols, 2); the pad column zero): exact, no rounding happens.
+void RowsToBf16(int64_t rows, int64_t cols, const float* src, int64_t lds, uint16_t* dst,
+                int64_t ldd) {
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < cols; ++c) dst[r * ldd + c] = F32ToBF16(src[r * lds + c]);
+    for (int64_t c = cols; c < ldd; ++c) dst[r * ldd + c] = 0;
+  }
+}
+
+// The kv tile's bf16 rows for tile scores (once per kv tile and task).
+void KvToBf16(const Context& c, const KvTile& kvt, int64_t kvb, Workspace& ws) {
+  if (!c.tile_scores) return;
+  const Geometry& g = c.g;
+  const int64_t n = g.KvRows(kvb);
+  RowsToBf16(n, g.d, kvt.k, kvt.ldk, ws.k_bf16.data(), RoundUp(g.d, 2));
+  RowsToBf16(n, g.dv, kvt.v, kvt.ldv, ws.v_bf16.data(), RoundUp(g.dv, 2));
+}
 
 // P^T and dS^T of tile (b, h, qb, kvb) into ws.pt / ws.ds; returns its kind
 // (kEmpty: nothing computed).
@@ -194,6 +255,15 @@ BlockKind TileProbs(const Context& c, const QTile& qs, const KvTile& kvt, BlockK
   a.delta = c.delta + row;
   a.ds = ws.ds.data();
   a.deriv = ws.deriv.data();
+  if (c.tile_scores) {
+    const int64_t mp = RoundUp(t.queries, micro::kVec);
+    const int64_t d2 = RoundUp(g.d, 2), dv2 = RoundUp(g.dv, 2);
+    c.mk.gemm_bf16(t.keys, mp, d2 / 2, ws.k_bf16.data(), d2, qs.qt_pairs, g.ld_q, t.pt, t.ldp,
+                   nullptr, false);
+    c.mk.gemm_bf16(t.keys, mp, dv2 / 2, ws.v_bf16.data(), dv2, qs.dot_pairs, g.ld_q, a.ds, t.ldp,
+                   nullptr, false);
+    a.products_stored = true;
+  }
   c.mk.backward_tile(a);
   return kind;
 }
@@ -251,6 +321,7 @@ void KvBlock(const Context& c, const TilePlan& cols, int64_t b, int64_t kh, int6
   std::memset(ws.dk.data(), 0, static_cast<size_t>(n * g.ld_d) * sizeof(float));
   std::memset(ws.dv.data(), 0, static_cast<size_t>(n * g.ld_dv) * sizeof(float));
   const KvTile kvt = ws.kv_cache.Get(c.kv, c.mk, b, kh, kvb);
+  KvToBf16(c, kvt, kvb, ws);
   int64_t computed = 0;
   for (int64_t h = kh * g.group; h < (kh + 1) * g.group; ++h) {
     for (const mask::BlockRun& run : cols.map().Runs(h, kvb)) {
@@ -282,20 +353,21 @@ void FlashBackward(const FlashParams& p, ThreadPool& pool, const TensorView& dou
   if (g.b == 0 || g.sq == 0 || g.h == 0 || g.skv == 0) return;
   const micro::MicroKernels& mk = micro::MicroKernelsFor(p.path);
   const bool capped = p.softcap > 0.0f;
+  const bool tile_scores = TileScores(p, dout, mk);
   const TilePlan cols(p, g, /*by_column=*/true);
-  const QSide qs(p, dout, g, mk, cols, pool);
+  const QSide qs(p, dout, g, mk, cols, pool, tile_scores);
   const KvRows kv(p, g, KvRows::KeyFormat::kF32Padded, cols.UsesPerKvTile(), pool,
                   /*tile_cache=*/true);
   std::vector<WorkerStats> wstats(static_cast<size_t>(pool.size()));
 
   if (BackwardInOnePass(g, pool.size())) {
-    const Context c{p, g, mk, cols, qs, kv, lse, delta};
+    const Context c{p, g, mk, cols, qs, kv, lse, delta, tile_scores};
     // dQ tiles of the task's group: [group][nqb][bq][ld_d], one per worker.
     const int64_t dq_elems = g.group * g.nqb * g.bq * g.ld_d;
     std::vector<AlignedBuffer<float>> dq(static_cast<size_t>(pool.size()));
     pool.ParallelFor(g.b * g.hkv, [&](int64_t task, int worker) {
       const int64_t kh = task % g.hkv, b = task / g.hkv;
-      Workspace& ws = Workspace::ForThisThread(g, capped);
+      Workspace& ws = Workspace::ForThisThread(g, capped, tile_scores);
       WorkerStats& st = wstats[static_cast<size_t>(worker)];
       AlignedBuffer<float>& dqs = dq[static_cast<size_t>(worker)];
       if (dqs.size() == 0) {
@@ -322,11 +394,11 @@ void FlashBackward(const FlashParams& p, ThreadPool& pool, const TensorView& dou
   }
 
   {  // Pass 1: dK, dV (tile counts as in the forward, FLOPs of its four products).
-    const Context c{p, g, mk, cols, qs, kv, lse, delta};
+    const Context c{p, g, mk, cols, qs, kv, lse, delta, tile_scores};
     pool.ParallelFor(g.b * g.hkv * g.nkvb, [&](int64_t task, int worker) {
       const int64_t kvb = task % g.nkvb, kh = (task / g.nkvb) % g.hkv;
       const int64_t b = task / (g.nkvb * g.hkv);
-      Workspace& ws = Workspace::ForThisThread(g, capped);
+      Workspace& ws = Workspace::ForThisThread(g, capped, tile_scores);
       WorkerStats& st = wstats[static_cast<size_t>(worker)];
       KvBlock(c, cols, b, kh, kvb, ws, st, dk_acc, dv_acc,
               [&](int64_t, int64_t qb, BlockKind kind, const KvTile&) {
@@ -337,11 +409,11 @@ void FlashBackward(const FlashParams& p, ThreadPool& pool, const TensorView& dou
   }
   {  // Pass 2: dQ (recomputes S and dP: FLOPs only).
     const TilePlan rows(p, g, /*by_column=*/false);
-    const Context c{p, g, mk, rows, qs, kv, lse, delta};
+    const Context c{p, g, mk, rows, qs, kv, lse, delta, tile_scores};
     pool.ParallelFor(g.b * g.h * g.nqb, [&](int64_t task, int worker) {
       const int64_t qb = g.nqb - 1 - task % g.nqb;
       const int64_t h = (task / g.nqb) % g.h, b = task / (g.nqb * g.h);
-      Workspace& ws = Workspace::ForThisThread(g, capped);
+      Workspace& ws = Workspace::ForThisThread(g, capped, tile_scores);
       WorkerStats& st = wstats[static_cast<size_t>(worker)];
       float* dq = ws.dq.data();
       std::memset(dq, 0, static_cast<size_t>(g.QRows(qb) * g.ld_d) * sizeof(float));
@@ -349,6 +421,7 @@ void FlashBackward(const FlashParams& p, ThreadPool& pool, const TensorView& dou
       for (const mask::BlockRun& run : rows.map().Runs(h, qb)) {
         for (int64_t kvb = run.begin; kvb < run.end; ++kvb) {
           const KvTile kvt = ws.kv_cache.Get(c.kv, c.mk, b, h / g.group, kvb);
+          KvToBf16(c, kvt, kvb, ws);
           if (TileProbs(c, qs, kvt, run.kind, b, h, qb, kvb, ws) == BlockKind::kEmpty) continue;
           AccumulateQ(c, kvt, qb, kvb, dq, ws);
           st.flops += 2 * g.QRows(qb) * g.KvRows(kvb) * (2 * g.d + g.dv);

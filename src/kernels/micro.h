@@ -168,6 +168,10 @@ struct BackwardTileArgs {
   const float* delta = nullptr;  // [queries]
   float* ds = nullptr;
   float* deriv = nullptr;  // keys * ldp floats of working space when softcap > 0
+  // The amx path: S^T (raw products K Q^T) is already in t.pt and dP^T in ds,
+  // from tile GEMMs; t.k, t.qt, v and dot are then unused. Only the AVX-512
+  // BackwardTile (avx512, avx512_bf16 and amx tables) accepts this.
+  bool products_stored = false;
 };
 using BackwardTileFn = void (*)(const BackwardTileArgs& b);
 

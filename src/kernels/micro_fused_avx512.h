@@ -32,16 +32,16 @@ inline __mmask16 Allowed16(const TileArgs& t, int64_t j, int64_t i0) {
   return t.mask[j * t.ldm + i0 / 16];
 }
 
-// Register blocks of C[rows x mp] = A[rows x k] B[k x mp] (A row-major with
-// leading dimension lda, B with ldb), each handed to epi.Apply(acc, j0, i0)
-// (rows j0.., lanes i0..) instead of being stored. With mask bits, only the
-// span of 16-lane vectors of a block that holds an allowed pair is computed;
-// the vectors outside it are handed to epi.Zero (outputs 0) — this is what
-// keeps the diagonal of causal masks and the edges of sliding windows from
-// costing full tiles.
-template <class Epilogue>
-void Blocks(int64_t rows, int64_t mp, int64_t k, const float* a, int64_t lda, const float* b,
-            int64_t ldb, const uint16_t* bits, int64_t ldm, Epilogue& epi) {
+// Walks C[rows x mp] in register blocks (6 rows x 64 lanes, then narrower),
+// has produce(acc, j0, first) fill each block (rows j0.., lanes first..) and
+// hands it to epi.Apply(acc, j0, first) instead of storing it. With mask
+// bits, only the span of 16-lane vectors of a block that holds an allowed
+// pair is produced; the vectors outside it are handed to epi.Zero (outputs
+// 0) — this is what keeps the diagonal of causal masks and the edges of
+// sliding windows from costing full tiles.
+template <class Produce, class Epilogue>
+void BlockWalk(int64_t rows, int64_t mp, const uint16_t* bits, int64_t ldm, Epilogue& epi,
+               Produce&& produce) {
   auto panel = [&]<int MR, int NV>(int64_t i0) {
     ForEachRowBlock<MR>(rows, [&](int64_t j0, auto r) {
       constexpr int R = decltype(r)::value;
@@ -67,8 +67,7 @@ void Blocks(int64_t rows, int64_t mp, int64_t k, const float* a, int64_t lda, co
       WithCount<NV>(v_hi - v_lo, [&](auto c) {
         constexpr int C = decltype(c)::value;
         __m512 acc[R][C];
-        ZeroBlock(acc);
-        MultiplyBlock<R, C, ALayout::kRowMajor>(k, a + j0 * lda, lda, 1, b + first, ldb, acc);
+        produce(acc, j0, first);
         epi.template Apply<R, C>(acc, j0, first);
       });
     });
@@ -77,6 +76,36 @@ void Blocks(int64_t rows, int64_t mp, int64_t k, const float* a, int64_t lda, co
   for (; i + 64 <= mp; i += 64) panel.template operator()<6, 4>(i);
   for (; i + 32 <= mp; i += 32) panel.template operator()<8, 2>(i);
   for (; i + 16 <= mp; i += 16) panel.template operator()<8, 1>(i);
+}
+
+// BlockWalk over the products C = A[rows x k] B[k x mp] (A row-major with
+// leading dimension lda, B with ldb), computed block by block in registers.
+template <class Epilogue>
+void Blocks(int64_t rows, int64_t mp, int64_t k, const float* a, int64_t lda, const float* b,
+            int64_t ldb, const uint16_t* bits, int64_t ldm, Epilogue& epi) {
+  BlockWalk(rows, mp, bits, ldm, epi,
+            [&]<int R, int C>(__m512(&acc)[R][C], int64_t j0, int64_t first) {
+              ZeroBlock(acc);
+              MultiplyBlock<R, C, ALayout::kRowMajor>(k, a + j0 * lda, lda, 1, b + first, ldb, acc);
+            });
+}
+
+// BlockWalk over products already stored in c (ldc): what a tile GEMM on
+// other units (the amx path) leaves for the same epilogues. An epilogue may
+// overwrite the block it was handed (it has been loaded).
+template <class Epilogue>
+void StoredBlocks(int64_t rows, int64_t mp, const float* c, int64_t ldc, const uint16_t* bits,
+                  int64_t ldm, Epilogue& epi) {
+  BlockWalk(rows, mp, bits, ldm, epi,
+            [&]<int R, int C>(__m512(&acc)[R][C], int64_t j0, int64_t first) {
+              RINGSPLASH_UNROLL
+              for (int r = 0; r < R; ++r) {
+                RINGSPLASH_UNROLL
+                for (int v = 0; v < C; ++v) {
+                  acc[r][v] = _mm512_loadu_ps(c + (j0 + r) * ldc + first + 16 * v);
+                }
+              }
+            });
 }
 
 // Stores zeros over rows [j0, j0 + rows) x `vectors` vectors from lane i0.

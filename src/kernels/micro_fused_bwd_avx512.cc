@@ -89,9 +89,25 @@ struct DsEpilogue {
 };
 
 template <bool kMasked, bool kCapped>
-void Probs(const TileArgs& t, int64_t mp, const float* lse2, const uint16_t* finite, float* deriv) {
+void Probs(const TileArgs& t, int64_t mp, const float* lse2, const uint16_t* finite, float* deriv,
+           bool stored) {
   ProbsEpilogue<kMasked, kCapped> epi{t, lse2, finite, deriv, ExponentOp<kCapped>(t)};
-  Blocks(t.keys, mp, t.d, t.k, t.ldk, t.qt, t.ldq, t.mask, t.ldm, epi);
+  if (stored) {
+    StoredBlocks(t.keys, mp, t.pt, t.ldp, t.mask, t.ldm, epi);
+  } else {
+    Blocks(t.keys, mp, t.d, t.k, t.ldk, t.qt, t.ldq, t.mask, t.ldm, epi);
+  }
+}
+
+template <bool kCapped>
+void Ds(const BackwardTileArgs& b, int64_t mp, const float* delta) {
+  const TileArgs& t = b.t;
+  DsEpilogue<kCapped> epi{b, delta, _mm512_set1_ps(t.scale)};
+  if (b.products_stored) {
+    StoredBlocks(t.keys, mp, b.ds, t.ldp, t.mask, t.ldm, epi);
+  } else {
+    Blocks(t.keys, mp, b.dv, b.v, b.ldv, b.dot, t.ldq, t.mask, t.ldm, epi);
+  }
 }
 
 }  // namespace
@@ -112,21 +128,15 @@ void BackwardTile(const BackwardTileArgs& b) {
     _mm512_store_ps(delta + i0, _mm512_maskz_loadu_ps(live, b.delta + i0));
   }
   const bool masked = t.mask != nullptr, capped = t.softcap > 0.0f;
+  const bool stored = b.products_stored;
   if (masked) {
-    capped ? Probs<true, true>(t, mp, lse2, finite, b.deriv)
-           : Probs<true, false>(t, mp, lse2, finite, b.deriv);
+    capped ? Probs<true, true>(t, mp, lse2, finite, b.deriv, stored)
+           : Probs<true, false>(t, mp, lse2, finite, b.deriv, stored);
   } else {
-    capped ? Probs<false, true>(t, mp, lse2, finite, b.deriv)
-           : Probs<false, false>(t, mp, lse2, finite, b.deriv);
+    capped ? Probs<false, true>(t, mp, lse2, finite, b.deriv, stored)
+           : Probs<false, false>(t, mp, lse2, finite, b.deriv, stored);
   }
-  const __m512 scale = _mm512_set1_ps(t.scale);
-  if (capped) {
-    DsEpilogue<true> epi{b, delta, scale};
-    Blocks(t.keys, mp, b.dv, b.v, b.ldv, b.dot, t.ldq, t.mask, t.ldm, epi);
-  } else {
-    DsEpilogue<false> epi{b, delta, scale};
-    Blocks(t.keys, mp, b.dv, b.v, b.ldv, b.dot, t.ldq, t.mask, t.ldm, epi);
-  }
+  capped ? Ds<true>(b, mp, delta) : Ds<false>(b, mp, delta);
 }
 
 }  // namespace ringsplash::kernels::micro::avx512
