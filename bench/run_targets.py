@@ -130,20 +130,27 @@ def case_fwd_bf16(r):
                          kernel=r.vector_kernel())
 
 
-def case_fwd_bf16_amx(r):
-    """Not a target: the bf16 forward on the amx path against the vector path
-    of the fwd_bf16 row, alternating, and its fraction of the AMX tile peak."""
-    name = "fwd_bf16_amx_d128"
+def amx_case(r, name, *extra):
+    """Not a target: bf16 on the amx path against the vector path of the bf16
+    target rows, alternating, and the fraction of the AMX tile peak."""
     metric = "GFLOP/s amx path / vector path (median of repeats)"
     if r.auto_path() != "amx":
         return dict(case=name, metric=metric, value=None, target="informational",
                     passed=True, error=f"no amx path here (kAuto is {r.auto_path()})")
-    args = [*BASE, "--head-dim", "128", "--dtype", "bf16"]
+    args = [*BASE, "--head-dim", "128", "--dtype", "bf16", *extra]
     value, values, runs = repeated(
         r, lambda rs: rs[0]["gflops"] / rs[1]["gflops"],
         lambda: r.bench(*args)[0] + r.bench(*args, kernel=r.vector_kernel())[0])
     return dict(case=name, metric=metric, value=value, values=values, target="informational",
                 passed=True, runs=runs)
+
+
+def case_fwd_bf16_amx(r):
+    return amx_case(r, "fwd_bf16_amx_d128")
+
+
+def case_bwd_bf16_amx(r):
+    return amx_case(r, "bwd_bf16_amx_d128", "--pass", "bwd")
 
 
 def case_fwd_f32_d64(r):
@@ -251,6 +258,7 @@ CASES = {
     "fwd_f32_d64": case_fwd_f32_d64,
     "bwd_f32": case_bwd_f32,
     "bwd_bf16": case_bwd_bf16,
+    "bwd_bf16_amx": case_bwd_bf16_amx,
     "causal": case_causal,
     "window": case_window,
     "ring_threads": case_ring_threads,

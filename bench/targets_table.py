@@ -15,7 +15,8 @@ CASES = {
     "fwd_bf16_amx_d128": "forward bf16, same, amx path vs vector path (not a target)",
     "fwd_f32_d64": "forward f32, same, D=64",
     "bwd_f32_d128": "backward f32 (`--pass bwd`), S=4096 D=128",
-    "bwd_bf16_d128": "backward bf16, same",
+    "bwd_bf16_d128": "backward bf16, same (vector path)",
+    "bwd_bf16_amx_d128": "backward bf16, same, amx path vs vector path (not a target)",
     "causal_vs_full_s8192": "causal vs full, S=8192, f32 forward",
     "window512_s32768": "sliding window `causal&local:512,0`, S=32768",
     "ring_threads_2x1": "ring, threads, 2 ranks x 1 thread, S=16384 H=8 Hkv=2 causal zigzag fwdbwd",
@@ -36,7 +37,7 @@ def detail(r):
         spread = "runs " + ", ".join(fmt(v) for v in r["values"])
     else:
         spread = ""
-    if case.startswith("fwd_bf16_amx"):
+    if "_amx" in case:
         amx, vec = runs[0], runs[1]
         return (f"{spread}; {amx['gflops']:.0f} vs {vec['gflops']:.0f} GFLOP/s; "
                 f"{amx['fraction_of_amx_peak']:.3f} of the AMX tile peak "
