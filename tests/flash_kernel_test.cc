@@ -101,7 +101,9 @@ class Problem {
     q_pos_ = in_.q_positions.empty() ? Iota(spec.sq) : in_.q_positions;
     kv_pos_ = in_.kv_positions.empty() ? Iota(spec.skv) : in_.kv_positions;
     scale_ = 1.0f / std::sqrt(static_cast<float>(spec.d));
-    dout_ = testing::RandomTensor(rng_, DType::kF32, {spec.b, spec.sq, spec.h, spec.dv});
+    // dout in the inputs' dtype: with bf16 q, k, v and dout the amx path
+    // runs the backward's score products on tiles (flash_backward.cc).
+    dout_ = testing::RandomTensor(rng_, spec.dtype, {spec.b, spec.sq, spec.h, spec.dv});
   }
 
   OwnedInputs& owned() { return owned_; }
@@ -194,10 +196,8 @@ class Problem {
   Tensor dout_;
 };
 
-// Paths whose bf16 forward multiplies bf16 operands (vdpbf16ps or AMX tiles).
-bool Bf16Products(KernelPath path) {
-  return path == KernelPath::kAvx512Bf16 || path == KernelPath::kAmx;
-}
+// Paths whose bf16 forward rounds P to bf16 for P V (the amx path's tiles).
+bool RoundsP(KernelPath path) { return path == KernelPath::kAmx; }
 
 void ExpectClose(const std::vector<float>& actual, const std::vector<double>& expected, double tol,
                  const std::string& what) {
@@ -292,7 +292,7 @@ void CheckAgainstReference(const Shape& sh, DType dtype, const RunConfig& s, boo
   // P V. |out_i error| <= 2^-8 sum_j p_ij |v_j| <= 2^-8 max|v|, plus 2x the
   // f32 error allowance for the rest.
   double out_tol = kF32Tol;
-  if (dtype == DType::kBF16 && Bf16Products(s.path)) {
+  if (dtype == DType::kBF16 && RoundsP(s.path)) {
     out_tol = 2 * kF32Tol +
               std::ldexp(testing::MaxAbs(rp.v), -8) / std::max(1e-30, testing::MaxAbs(ref.out));
   }
@@ -335,10 +335,24 @@ TEST(FlashTest, MasksGqaAndBlockShapes) {
       RunConfig s;
       s.path = path;
       s.mask = mask;
-      s.blocks = {16, 48};
-      CheckAgainstReference({2, 70, 90, 4, 2, 32, 48}, DType::kF32, s, false, ++seed);
-      s.blocks = {64, 16};
-      CheckAgainstReference({1, 70, 90, 6, 1, 24, 16}, DType::kF32, s, true, ++seed);
+      // bf16 too: kv blocks of 48 keys (not whole 32-key AMX k steps) on
+      // the amx path.
+      for (DType dtype : {DType::kF32, DType::kBF16}) {
+        s.blocks = {16, 48};
+        CheckAgainstReference({2, 70, 90, 4, 2, 32, 48}, dtype, s, false, ++seed);
+        s.blocks = {64, 16};
+        CheckAgainstReference({1, 70, 90, 6, 1, 24, 16}, dtype, s, true, ++seed);
+      }
+    }
+    // Head dims whose bf16 pairs leave a vdpbf16ps remainder after whole
+    // 16-pair AMX steps (D = 48: 24 pairs, Dv = 80: 40), forward and
+    // backward. (Full mask: some masks above give exactly zero dq, which a
+    // relative check cannot take.)
+    RunConfig s;
+    s.path = path;
+    s.blocks = {32, 48};
+    for (DType dtype : {DType::kF32, DType::kBF16}) {
+      CheckAgainstReference({1, 70, 90, 4, 2, 48, 80}, dtype, s, true, ++seed);
     }
   }
 }
@@ -453,7 +467,7 @@ TEST(FlashTest, SoftCapWithHugeLogits) {
       const Result r = prob.Run(s, true, &ref);
       const testing::RefBackward g = testing::ReferenceBackward(rp, prob.Dout());
       double out_tol = kF32Tol;
-      if (dtype == DType::kBF16 && Bf16Products(path)) {
+      if (dtype == DType::kBF16 && RoundsP(path)) {
         out_tol = 2 * kF32Tol + std::ldexp(testing::MaxAbs(rp.v), -8) / testing::MaxAbs(ref.out);
       }
       const std::string what = std::string(KernelPathName(path)) + " " + DTypeName(dtype);
@@ -530,7 +544,7 @@ TEST(FlashTest, StridedBhsdViewsAndF16Inputs) {
       const Result r = prob.Run(s, true, &ref);
       const testing::RefBackward g = testing::ReferenceBackward(rp, prob.Dout());
       double out_tol = kF32Tol;
-      if (dtype == DType::kBF16 && Bf16Products(path)) {
+      if (dtype == DType::kBF16 && RoundsP(path)) {
         out_tol = 2 * kF32Tol + std::ldexp(testing::MaxAbs(rp.v), -8) / testing::MaxAbs(ref.out);
       }
       const std::string what = std::string(KernelPathName(path)) + " " + DTypeName(dtype);

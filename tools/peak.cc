@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "ringsplash/attention.h"
+#include "src/kernels/cpu_features.h"
 
 namespace ringsplash::cli {
 namespace {
@@ -89,7 +90,9 @@ Peak MeasurePeak(DType dtype, int threads, double seconds) {
         peak.method = "avx512 dpbf16_ps";
       }
     }
-    if (dtype == DType::kBF16 && ResolveKernelPath(KernelPath::kAuto) == KernelPath::kAmx) {
+    // Tiles only where the process may use them (the kernels asked already).
+    if (dtype == DType::kBF16 && ResolveKernelPath(KernelPath::kAuto) == KernelPath::kAmx &&
+        kernels::AmxTilesPermitted()) {
       peak.tile_gflops = MeasureLoop(peak_detail::TileBf16Amx, peak.threads, seconds);
     }
     return peak;

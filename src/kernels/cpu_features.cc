@@ -32,7 +32,7 @@ uint64_t ReadXcr0() {
 }
 
 // Linux enables the 8 KiB AMX tile state per process, on request; the
-// permission then holds for all of the process's threads.
+// permission then holds for all of the process's threads (AmxTilesPermitted).
 bool RequestTileData() {
 #if defined(__linux__)
   constexpr long kArchReqXcompPerm = 0x1023;
@@ -78,9 +78,7 @@ CpuFeatures Detect() {
   }
   f.fast_bf16_dot = f.avx512_bf16 && amd;
   const uint64_t kTileState = (uint64_t{1} << 17) | (uint64_t{1} << 18);
-  if (f.avx512_bf16 && amx_bf16 && amx_tile && (xcr0 & kTileState) == kTileState) {
-    f.amx = RequestTileData();
-  }
+  f.amx = f.avx512_bf16 && amx_bf16 && amx_tile && (xcr0 & kTileState) == kTileState;
   return f;
 }
 
@@ -116,6 +114,15 @@ bool Supported(KernelPath path) {
 const CpuFeatures& DetectCpuFeatures() {
   static const CpuFeatures features = Detect();
   return features;
+}
+
+bool AmxTilesPermitted() {
+#if defined(__x86_64__)
+  static const bool permitted = DetectCpuFeatures().amx && RequestTileData();
+  return permitted;
+#else
+  return false;
+#endif
 }
 
 }  // namespace kernels

@@ -21,15 +21,24 @@ struct CpuFeatures {
   // (assumed full rate: not measured on such a machine). kAuto prefers
   // avx512_bf16 only when this is true.
   bool fast_bf16_dot = false;
-  // avx512_bf16 and AMX-TILE + AMX-BF16, the OS saving the tile state (XCR0
-  // bits 17, 18) and, on Linux, granting this process the tile-data
-  // permission (arch_prctl ARCH_REQ_XCOMP_PERM; without it the first tile
-  // instruction raises SIGILL). The request is made once, during detection.
+  // avx512_bf16 and AMX-TILE + AMX-BF16, and the OS saving the tile state
+  // (XCR0 bits 17, 18). Linux also wants a per-process permission before the
+  // first tile instruction (else SIGILL); that is asked only when tiles are
+  // first needed: AmxTilesPermitted().
   bool amx = false;
 };
 
 // Detected once (cpuid + xgetbv), then cached.
 const CpuFeatures& DetectCpuFeatures();
+
+// Whether this process may run AMX tile instructions: DetectCpuFeatures().amx
+// and, on Linux, the tile-data permission (arch_prctl ARCH_REQ_XCOMP_PERM),
+// requested on the first call and cached. The permission is process-wide and
+// cannot be dropped; afterwards Linux refuses sigaltstacks too small for the
+// 8 KiB tile state, and the request fails if such a stack is installed
+// already — so it is made only when bf16 work is about to use tiles, never
+// by detection. Without it the amx path's products run on vdpbf16ps.
+bool AmxTilesPermitted();
 
 }  // namespace ringsplash::kernels
 

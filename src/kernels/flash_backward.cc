@@ -220,12 +220,16 @@ void KvToBf16(const Context& c, const KvTile& kvt, int64_t kvb, Workspace& ws) {
 }
 
 // P^T and dS^T of tile (b, h, qb, kvb) into ws.pt / ws.ds; returns its kind
-// (kEmpty: nothing computed).
+// (kEmpty: nothing computed). With tile scores, K and V must be in ws's bf16
+// rows already, or (convert_kv) are converted here once the tile is known
+// not to be empty.
 BlockKind TileProbs(const Context& c, const QTile& qs, const KvTile& kvt, BlockKind map_kind,
-                    int64_t b, int64_t h, int64_t qb, int64_t kvb, Workspace& ws) {
+                    int64_t b, int64_t h, int64_t qb, int64_t kvb, Workspace& ws,
+                    bool convert_kv = false) {
   const Geometry& g = c.g;
   const BlockKind kind = c.plan.Refine(map_kind, b, qb, kvb);
   if (kind == BlockKind::kEmpty) return kind;
+  if (convert_kv) KvToBf16(c, kvt, kvb, ws);
   const int64_t row = (b * g.h + h) * g.sq + qb * g.bq;
   micro::BackwardTileArgs a;
   micro::TileArgs& t = a.t;
@@ -421,8 +425,10 @@ void FlashBackward(const FlashParams& p, ThreadPool& pool, const TensorView& dou
       for (const mask::BlockRun& run : rows.map().Runs(h, qb)) {
         for (int64_t kvb = run.begin; kvb < run.end; ++kvb) {
           const KvTile kvt = ws.kv_cache.Get(c.kv, c.mk, b, h / g.group, kvb);
-          KvToBf16(c, kvt, kvb, ws);
-          if (TileProbs(c, qs, kvt, run.kind, b, h, qb, kvb, ws) == BlockKind::kEmpty) continue;
+          if (TileProbs(c, qs, kvt, run.kind, b, h, qb, kvb, ws, /*convert_kv=*/true) ==
+              BlockKind::kEmpty) {
+            continue;
+          }
           AccumulateQ(c, kvt, qb, kvb, dq, ws);
           st.flops += 2 * g.QRows(qb) * g.KvRows(kvb) * (2 * g.d + g.dv);
         }

@@ -60,8 +60,9 @@ using GemmBf16Fn = void (*)(int64_t m, int64_t n, int64_t k2, const uint16_t* a,
                             const uint16_t* b, int64_t ldb, float* c, int64_t ldc,
                             const float* row_scale, bool accumulate);
 
-// B operand of the amx forward's tile P V (micro_amx.cc): V rows as bf16
-// pairs, rounded to nearest even,
+// B operands of the amx path's tile GEMMs (micro_amx.cc; the forward's V,
+// the backward's Q^T and dO^T): f32 rows as bf16 pairs, rounded to nearest
+// even,
 //   dst[((r / 2) * ldd + c) * 2 + r % 2] = bf16(src[r * lds + c]), zero rows
 //   from `rows` to RoundUp(rows, 32) (whole 16-pair k steps); cols % 16 == 0.
 using PackPairsBf16Fn = void (*)(int64_t rows, int64_t cols, const float* src, int64_t lds,
@@ -149,7 +150,7 @@ constexpr float kLazySumLimit = 1048576.0f;  // 2^20
 // written only as bf16 rows, the A operand of the tile P V:
 //   p[i * ldpb + j] = bf16(P^T_ji) for i < queries, j < keys, and zero for
 //   keys <= j < RoundUp(keys, 32) <= ldpb.
-// t.pt is clobbered; t.scratch needs RoundUp(queries, 16) floats.
+// t.pt is clobbered; t.scratch as for the other steps (TileArgs).
 using SoftmaxBf16Fn = void (*)(const TileArgs& t, float* row_max, float* row_sum, float* alpha,
                                uint16_t* p, int64_t ldpb);
 using ForwardTileFn = void (*)(const TileArgs& t, float* row_max, float* row_sum, float* alpha);
@@ -180,7 +181,8 @@ struct MicroKernels {
   GemmF32Fn gemm_f32 = nullptr;
   GemmF32RangesFn gemm_f32_ranges = nullptr;
   GemmBf16Fn gemm_bf16 = nullptr;  // only on the avx512_bf16 and amx paths
-  // Only on the amx path: the bf16 forward's P V on tiles (P rounded to bf16).
+  // Only on the amx path: bf16 pairs for tile GEMMs (the forward's V, the
+  // backward's Q^T and dO^T) and the forward's step writing P as bf16 rows.
   PackPairsBf16Fn pack_pairs_bf16 = nullptr;
   SoftmaxBf16Fn softmax_bf16 = nullptr;
   TransposeF32Fn transpose_f32 = nullptr;

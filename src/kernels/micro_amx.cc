@@ -1,10 +1,11 @@
 // AMX micro-kernels (compiled with -mamx-tile -mamx-bf16 on top of the
-// AVX512_BF16 flags; called only after runtime detection, which also asks
-// Linux for the tile-data permission: cpu_features.cc). The "amx" path is the
-// avx512_bf16 table with GemmBf16 on AMX tiles — the bf16 forward's score
-// products K Q^T and, with P rounded to bf16 rows by its softmax step
-// (SoftmaxBf16) and V packed as pairs (PackPairsBf16), its P V. Everything
-// else stays on the AVX-512 kernels.
+// AVX512_BF16 flags; called only after runtime detection, and tile
+// instructions run only once Linux granted the tile-data permission:
+// AmxTilesPermitted). The "amx" path is the avx512_bf16 table with GemmBf16
+// on AMX tiles: the bf16 forward's score products K Q^T and, with P rounded
+// to bf16 rows by its softmax step (SoftmaxBf16) and V packed as pairs
+// (PackPairsBf16), its P V; the bf16 backward's S^T = K Q^T and dP^T = V dO^T
+// (flash_backward.cc). Everything else stays on the AVX-512 kernels.
 //
 // TDPBF16PS multiplies a 16 x 32 bf16 tile A (16 rows, 16 pairs) by a 16 x 16
 // pair-interleaved tile B (16 pair rows x 16 columns x 2) into 16 x 16 f32 C,
@@ -31,6 +32,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "src/kernels/cpu_features.h"
 #include "src/kernels/micro.h"
 #include "src/kernels/micro_avx512.h"
 #include "src/kernels/micro_fused_avx512.h"
@@ -120,13 +122,15 @@ void TileProducts(int64_t m, int64_t n, int64_t k2, const uint16_t* a, int64_t l
 }
 
 // GemmBf16Fn on AMX where whole tiles fit, the vdpbf16ps kernel for the rest
-// (and for row_scale, which AMX cannot apply to C).
+// (and for row_scale, which AMX cannot apply to C) — and for everything if
+// Linux refused the tile permission (same layouts, so same results up to the
+// order of the f32 sums).
 void GemmBf16Amx(int64_t m, int64_t n, int64_t k2, const uint16_t* a, int64_t lda,
                  const uint16_t* b, int64_t ldb, float* c, int64_t ldc, const float* row_scale,
                  bool accumulate) {
   const GemmBf16Fn vector_gemm = Avx512Bf16MicroKernels().gemm_bf16;
   const int64_t m16 = m / kTile * kTile, k16 = k2 / kTile * kTile;
-  if (row_scale != nullptr || m16 == 0 || k16 == 0) {
+  if (row_scale != nullptr || m16 == 0 || k16 == 0 || !AmxTilesPermitted()) {
     vector_gemm(m, n, k2, a, lda, b, ldb, c, ldc, row_scale, accumulate);
     return;
   }
@@ -241,7 +245,12 @@ bool LazyStepBf16(const TileArgs& t, float* row_max, float* row_sum, float* alph
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + (i0 + c) * ldpb + j0), row);
       }
     }
+    // Ordered compares: a NaN (from inf - inf in K Q^T) fails them too, as
+    // max_ps may drop a NaN exponent from emax.
     if (_mm512_mask_cmp_ps_mask(live, emax, bound, _CMP_LE_OQ) != live) return false;
+    if (_mm512_mask_cmp_ps_mask(live, sum, _mm512_set1_ps(kLazySumLimit), _CMP_LE_OQ) != live) {
+      return false;
+    }
     _mm512_store_ps(sums + i0, sum);
   }
   for (int64_t i0 = 0; i0 < mp; i0 += 16) {
