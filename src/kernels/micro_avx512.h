@@ -185,6 +185,7 @@ void MaskBits(int64_t queries, int64_t keys, const uint8_t* bytes, int64_t ldb, 
 void SoftmaxColumns(const TileArgs& t, float* row_max, float* row_sum, float* alpha);
 void ForwardTile(const TileArgs& t, float* row_max, float* row_sum, float* alpha);
 void BackwardTile(const BackwardTileArgs& b);
+void BackwardTileStored(const BackwardTileArgs& b);  // micro_fused_bwd_stored_avx512.cc
 }  // namespace avx512
 
 }  // namespace ringsplash::kernels::micro

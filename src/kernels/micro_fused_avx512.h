@@ -1,10 +1,13 @@
 // Building blocks of the fused transposed-layout tile kernels for AVX-512
 // (micro.h TileArgs): S^T = K Q^T (or dP^T = V dO^T) is computed one register
 // block (6 keys x 64 queries) at a time and handed, still in registers, to an
-// epilogue that does the softmax work. The forward's epilogues live in
-// micro_fused_avx512.cc, the backward's in micro_fused_bwd_avx512.cc: two
-// files, so that the hundreds of unrolled block instantiations compile on two
-// cores at once. Include only from AVX-512 translation units.
+// epilogue that does the softmax work (or, StoredBlocks, the products are
+// loaded from memory where tile GEMMs left them). The forward's epilogues
+// live in micro_fused_avx512.cc, the backward's in micro_fused_bwd_avx512.h
+// (instantiated by micro_fused_bwd_avx512.cc and, for stored products,
+// micro_fused_bwd_stored_avx512.cc): separate files, so that the hundreds of
+// unrolled block instantiations compile on two cores at once. Include only
+// from AVX-512 translation units.
 #ifndef RINGSPLASH_KERNELS_MICRO_FUSED_AVX512_H_
 #define RINGSPLASH_KERNELS_MICRO_FUSED_AVX512_H_
 
