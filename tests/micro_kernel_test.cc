@@ -570,15 +570,7 @@ TEST(MicroKernelTest, SoftmaxColumnsAndForwardTileMatchDoubleMath) {
           // SoftmaxColumns: in place on the raw products, always exact.
           std::vector<float> row_max = max0, row_sum = sum0, alpha(nq);
           kernels::micro::TileArgs t = tile.Args(masked, softcap);
-          for (int64_t j = 0; j < RandomTile::kKeys; ++j) {
-            for (int64_t i = 0; i < RandomTile::kLd; ++i) {
-              double s = 0;
-              for (int64_t p = 0; p < RandomTile::kD; ++p) {
-                s += double{tile.k[j * RandomTile::kD + p]} * tile.qt[p * RandomTile::kLd + i];
-              }
-              tile.pt[j * RandomTile::kLd + i] = static_cast<float>(s);
-            }
-          }
+          StoreProducts(tile);
           mk.softmax_columns(t, row_max.data(), row_sum.data(), alpha.data());
           EXPECT_FALSE(CheckForwardStep(tile, masked, softcap, max0, sum0, row_max, row_sum, alpha,
                                         "columns " + what));
