@@ -152,7 +152,7 @@ void PackPairsBf16(int64_t rows, int64_t cols, const float* src, int64_t lds, ui
       0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
       8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
   const __m512i order = _mm512_load_si512(kInterleave);
-  const int64_t padded = (rows + 31) / 32 * 32;
+  const int64_t padded = RoundUp(rows, 32);
   for (int64_t r = 0; r < padded; r += 2) {
     uint16_t* out = dst + (r / 2) * ldd * 2;
     for (int64_t c = 0; c < cols; c += 16) {
@@ -165,29 +165,33 @@ void PackPairsBf16(int64_t rows, int64_t cols, const float* src, int64_t lds, ui
   }
 }
 
-// 32 rows x 16 columns at a time: two 16 x 16 register transposes, then per
-// column one vector of 32 bf16 (rows r0 .. r0 + 31) stored as a row of dst.
+// r[jj] holds keys j0 + jj of 16 queries (from i0): transposed in registers
+// and stored as rows i0 .. i0 + nq - 1 of P, 16 bf16 from key j0 each.
+RINGSPLASH_INLINE void StoreTransposedBf16(__m512 (&r)[16], int64_t nq, uint16_t* p, int64_t ldpb,
+                                           int64_t i0, int64_t j0) {
+  Transpose16(r);  // r[c]: query i0 + c over keys j0 .. j0 + 15
+  for (int64_t c = 0; c < nq; ++c) {
+    const __m256i row = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(r[c]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + (i0 + c) * ldpb + j0), row);
+  }
+}
+
+// P^T (rows x cols: keys x queries) to bf16 rows of P, 16 x 16 at a time;
+// keys from `rows` to RoundUp(rows, 32) are zero.
 void TransposeBf16(int64_t rows, int64_t cols, const float* src, int64_t lds, uint16_t* dst,
                    int64_t ldd) {
-  const int64_t padded = (rows + 31) / 32 * 32;
-  for (int64_t c0 = 0; c0 < cols; c0 += 16) {
-    const int64_t nc = std::min<int64_t>(16, cols - c0);
-    const __mmask16 in = avx512::LaneMask(nc);
-    for (int64_t r0 = 0; r0 < padded; r0 += 32) {
-      __m512 lo[16], hi[16];
+  const int64_t padded = RoundUp(rows, 32);
+  for (int64_t i0 = 0; i0 < cols; i0 += 16) {
+    const int64_t nq = std::min<int64_t>(16, cols - i0);
+    const __mmask16 in = avx512::LaneMask(nq);
+    for (int64_t j0 = 0; j0 < padded; j0 += 16) {
+      __m512 r[16];
       RINGSPLASH_UNROLL
-      for (int i = 0; i < 16; ++i) {
-        const int64_t r = r0 + i;
-        lo[i] = r < rows ? _mm512_maskz_loadu_ps(in, src + r * lds + c0) : _mm512_setzero_ps();
-        hi[i] = r + 16 < rows ? _mm512_maskz_loadu_ps(in, src + (r + 16) * lds + c0)
-                              : _mm512_setzero_ps();
+      for (int jj = 0; jj < 16; ++jj) {
+        const int64_t j = j0 + jj;
+        r[jj] = j < rows ? _mm512_maskz_loadu_ps(in, src + j * lds + i0) : _mm512_setzero_ps();
       }
-      Transpose16(lo);
-      Transpose16(hi);
-      for (int64_t c = 0; c < nc; ++c) {
-        const __m512i v = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi[c], lo[c]));
-        _mm512_storeu_si512(dst + (c0 + c) * ldd + r0, v);
-      }
+      StoreTransposedBf16(r, nq, dst, ldd, i0, j0);
     }
   }
 }
@@ -239,11 +243,7 @@ bool LazyStepBf16(const TileArgs& t, float* row_max, float* row_sum, float* alph
         sum = _mm512_add_ps(sum, v);
         r[jj] = v;
       }
-      Transpose16(r);  // r[c]: query i0 + c over keys j0 .. j0 + 15
-      for (int64_t c = 0; c < nq; ++c) {
-        const __m256i row = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(r[c]));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + (i0 + c) * ldpb + j0), row);
-      }
+      StoreTransposedBf16(r, nq, p, ldpb, i0, j0);
     }
     // Ordered compares: a NaN (from inf - inf in K Q^T) fails them too, as
     // max_ps may drop a NaN exponent from emax.
