@@ -7,9 +7,9 @@
 //   P^T = softmax step of (K Q^T)^T   (fused, lazily rescaled: ForwardTileFn)
 //   acc = diag(alpha) acc + P V        (A = P^T read column-major)
 // (bf16 inputs on the avx512_bf16 and amx paths: K Q^T on bf16 operands; on
-// amx also P V, with P rounded to bf16 — UseBf16Scores, UseBf16Pv) and finally writes out = acc /
-// l, lse = m + log(l) for its own rows only, so results are bitwise independent of the thread
-// count.
+// amx also P V, with P rounded to bf16 — UseBf16Scores, UseBf16Pv) and
+// finally writes out = acc / l, lse = m + log(l) for its own rows only, so
+// results are bitwise independent of the thread count.
 //
 // K and V rows are read where they are: f32 inputs with unit inner stride
 // are used in place (no copy, no per-call memory growth — what lets a long
@@ -377,10 +377,8 @@ class ForwardCall {
     const int64_t keys = PvKeys(g_);
     if (accumulate) {
       for (int64_t i = 0; i < m; ++i) {
-        const float a = s.alpha[i];
-        if (a == 1.0f) continue;
         float* row = s.acc.data() + i * g_.ld_dv;
-        for (int64_t c = 0; c < g_.dvp; ++c) row[c] *= a;
+        if (s.alpha[i] != 1.0f) ScaleRow(row, row, g_.dvp, s.alpha[i], /*stream=*/false);
       }
     }
     mk_.gemm_bf16(m, g_.dvp, RoundUp(n, 32) / 2, ws.p_bf16.data(), keys, ws.v_pairs.data(),
