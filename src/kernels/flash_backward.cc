@@ -200,23 +200,14 @@ bool TileScores(const FlashParams& p, const TensorView& dout, const micro::Micro
          mk.gemm_bf16 != nullptr;
 }
 
-// rows x cols f32 (holding bf16 values) at stride lds as bf16 rows of ldd
-// (>= RoundUp(cols, 2); the pad column zero): exact, no rounding happens.
-void RowsToBf16(int64_t rows, int64_t cols, const float* src, int64_t lds, uint16_t* dst,
-                int64_t ldd) {
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t c = 0; c < cols; ++c) dst[r * ldd + c] = F32ToBF16(src[r * lds + c]);
-    for (int64_t c = cols; c < ldd; ++c) dst[r * ldd + c] = 0;
-  }
-}
-
-// The kv tile's bf16 rows for tile scores (once per kv tile and task).
-void KvToBf16(const Context& c, const KvTile& kvt, int64_t kvb, Workspace& ws) {
+// The kv tile's bf16 rows for tile scores (once per kv tile and task), read
+// from the bf16 inputs.
+void KvToBf16(const Context& c, int64_t b, int64_t kh, int64_t kvb, Workspace& ws) {
   if (!c.tile_scores) return;
   const Geometry& g = c.g;
-  const int64_t n = g.KvRows(kvb);
-  RowsToBf16(n, g.d, kvt.k, kvt.ldk, ws.k_bf16.data(), RoundUp(g.d, 2));
-  RowsToBf16(n, g.dv, kvt.v, kvt.ldv, ws.v_bf16.data(), RoundUp(g.dv, 2));
+  const int64_t n = g.KvRows(kvb), r0 = kvb * g.bkv;
+  PackRowsBf16(Slab{&c.p.k, b, kh, r0, n, g.d}, ws.k_bf16.data(), RoundUp(g.d, 2));
+  PackRowsBf16(Slab{&c.p.v, b, kh, r0, n, g.dv}, ws.v_bf16.data(), RoundUp(g.dv, 2));
 }
 
 // P^T and dS^T of tile (b, h, qb, kvb) into ws.pt / ws.ds; returns its kind
@@ -229,7 +220,7 @@ BlockKind TileProbs(const Context& c, const QTile& qs, const KvTile& kvt, BlockK
   const Geometry& g = c.g;
   const BlockKind kind = c.plan.Refine(map_kind, b, qb, kvb);
   if (kind == BlockKind::kEmpty) return kind;
-  if (convert_kv) KvToBf16(c, kvt, kvb, ws);
+  if (convert_kv) KvToBf16(c, b, h / g.group, kvb, ws);
   const int64_t row = (b * g.h + h) * g.sq + qb * g.bq;
   micro::BackwardTileArgs a;
   micro::TileArgs& t = a.t;
@@ -325,7 +316,7 @@ void KvBlock(const Context& c, const TilePlan& cols, int64_t b, int64_t kh, int6
   std::memset(ws.dk.data(), 0, static_cast<size_t>(n * g.ld_d) * sizeof(float));
   std::memset(ws.dv.data(), 0, static_cast<size_t>(n * g.ld_dv) * sizeof(float));
   const KvTile kvt = ws.kv_cache.Get(c.kv, c.mk, b, kh, kvb);
-  KvToBf16(c, kvt, kvb, ws);
+  KvToBf16(c, b, kh, kvb, ws);
   int64_t computed = 0;
   for (int64_t h = kh * g.group; h < (kh + 1) * g.group; ++h) {
     for (const mask::BlockRun& run : cols.map().Runs(h, kvb)) {
