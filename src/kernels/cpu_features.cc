@@ -145,18 +145,36 @@ const char* KernelPathName(KernelPath path) {
   return "unknown";
 }
 
+namespace {
+
+// Every path but kAuto, narrowest first (the order SupportedKernelPaths keeps):
+// the one list a new path is added to, besides KernelPathName.
+constexpr KernelPath kPaths[] = {KernelPath::kPortable, KernelPath::kAvx2, KernelPath::kAvx512,
+                                 KernelPath::kAvx512Bf16, KernelPath::kAmx};
+
+// "portable|avx2|..." — every path's name, for error messages.
+std::string PathNames() {
+  std::string names;
+  for (KernelPath p : kPaths) {
+    names += names.empty() ? "" : "|";
+    names += KernelPathName(p);
+  }
+  return names;
+}
+
+}  // namespace
+
 KernelPath ParseKernelPath(const std::string& text) {
-  for (KernelPath p : {KernelPath::kAuto, KernelPath::kPortable, KernelPath::kAvx2,
-                       KernelPath::kAvx512, KernelPath::kAvx512Bf16, KernelPath::kAmx}) {
+  if (text == KernelPathName(KernelPath::kAuto)) return KernelPath::kAuto;
+  for (KernelPath p : kPaths) {
     if (text == KernelPathName(p)) return p;
   }
-  Fail("kernel path: expected one of auto|portable|avx2|avx512|avx512_bf16|amx, got '", text, "'");
+  Fail("kernel path: expected one of auto|", PathNames(), ", got '", text, "'");
 }
 
 std::vector<KernelPath> SupportedKernelPaths() {
   std::vector<KernelPath> paths;
-  for (KernelPath p : {KernelPath::kPortable, KernelPath::kAvx2, KernelPath::kAvx512,
-                       KernelPath::kAvx512Bf16, KernelPath::kAmx}) {
+  for (KernelPath p : kPaths) {
     if (kernels::Supported(p)) paths.push_back(p);
   }
   return paths;
@@ -186,7 +204,7 @@ KernelPath ResolveKernelPath(KernelPath requested) {
       try {
         forced = ParseKernelPath(env);
       } catch (const Error&) {
-        Fail("RINGSPLASH_KERNEL: expected portable|avx2|avx512|avx512_bf16|amx, got '", env, "'");
+        Fail("RINGSPLASH_KERNEL: expected ", PathNames(), ", got '", env, "'");
       }
       if (forced != KernelPath::kAuto) {
         Check(kernels::Supported(forced), "RINGSPLASH_KERNEL: kernel path '", env,
