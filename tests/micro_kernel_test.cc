@@ -483,19 +483,23 @@ bool CheckForwardStep(const RandomTile& tile, bool masked, float softcap,
   return lazy;
 }
 
-// The raw products K Q^T of the tile into its P^T buffer (what the score
-// GEMM leaves for SoftmaxColumnsFn and SoftmaxBf16Fn), from double sums.
-void StoreProducts(RandomTile& tile) {
+// out[j * kLd + i] = sum_p a[j * k + p] bt[p * kLd + i] for the tile's keys
+// j and all kLd lanes i, summed in double: a tile product as a GEMM on other
+// units would leave it.
+void StoreProduct(const std::vector<float>& a, int64_t k, const std::vector<float>& bt,
+                  std::vector<float>& out) {
   for (int64_t j = 0; j < RandomTile::kKeys; ++j) {
     for (int64_t i = 0; i < RandomTile::kLd; ++i) {
       double s = 0;
-      for (int64_t p = 0; p < RandomTile::kD; ++p) {
-        s += double{tile.k[j * RandomTile::kD + p]} * tile.qt[p * RandomTile::kLd + i];
-      }
-      tile.pt[j * RandomTile::kLd + i] = static_cast<float>(s);
+      for (int64_t p = 0; p < k; ++p) s += double{a[j * k + p]} * bt[p * RandomTile::kLd + i];
+      out[j * RandomTile::kLd + i] = static_cast<float>(s);
     }
   }
 }
+
+// The raw products K Q^T of the tile into its P^T buffer (what the score
+// GEMM leaves for SoftmaxColumnsFn and SoftmaxBf16Fn).
+void StoreProducts(RandomTile& tile) { StoreProduct(tile.k, RandomTile::kD, tile.qt, tile.pt); }
 
 // SoftmaxBf16Fn (amx): the ForwardTileFn contract with P as bf16 rows
 // (relative rounding <= 2^-8, bf16's unit roundoff, on top of
@@ -637,16 +641,8 @@ TEST(MicroKernelTest, BackwardTileMatchesDoubleMath) {
           b.ds = tile.ds.data();
           b.deriv = tile.deriv.data();
           if (stored) {
-            StoreProducts(tile);
-            for (int64_t j = 0; j < RandomTile::kKeys; ++j) {
-              for (int64_t i = 0; i < RandomTile::kLd; ++i) {
-                double dp = 0;
-                for (int64_t c = 0; c < RandomTile::kDv; ++c) {
-                  dp += double{tile.v[j * RandomTile::kDv + c]} * tile.dot[c * RandomTile::kLd + i];
-                }
-                tile.ds[j * RandomTile::kLd + i] = static_cast<float>(dp);
-              }
-            }
+            StoreProducts(tile);                                       // S^T
+            StoreProduct(tile.v, RandomTile::kDv, tile.dot, tile.ds);  // dP^T
             b.products_stored = true;
             b.t.k = nullptr;  // unused in this mode
             b.v = nullptr;
