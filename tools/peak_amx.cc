@@ -1,10 +1,11 @@
 // AMX tile peak loop. Compiled with AMX flags (tools/CMakeLists.txt); only
-// called on the amx kernel path, whose detection has already obtained the
-// tile-data permission from Linux.
+// called on the amx kernel path once kernels::AmxTilesPermitted() said yes
+// (tools/peak.cc).
 #include <immintrin.h>
 
 #include <cstdint>
 
+#include "src/kernels/micro_amx.h"
 #include "tools/peak.h"
 
 namespace ringsplash::cli::peak_detail {
@@ -13,12 +14,7 @@ double TileBf16Amx(int64_t iters) {
   // Four independent 16 x 16 f32 accumulator tiles, each TDPBF16PS doing
   // 16 x 16 x 32 bf16 products + adds = 16384 FLOP. Zero inputs: the loop
   // measures issue rate, and zeros keep the accumulators finite.
-  struct alignas(64) {
-    uint8_t palette = 1, start_row = 0, reserved[14] = {};
-    uint16_t colsb[16] = {64, 64, 64, 64, 64, 64, 64, 64};
-    uint8_t rows[16] = {16, 16, 16, 16, 16, 16, 16, 16};
-  } config;
-  _tile_loadconfig(&config);
+  kernels::micro::ConfigureTiles();
   _tile_zero(0);
   _tile_zero(1);
   _tile_zero(2);

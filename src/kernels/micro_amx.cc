@@ -26,6 +26,8 @@
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #endif
+#include "src/kernels/micro_amx.h"
+
 #include <immintrin.h>
 
 #include <algorithm>
@@ -40,15 +42,6 @@
 
 namespace ringsplash::kernels::micro {
 namespace {
-
-// LDTILECFG's 64-byte operand (palette 1).
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
 
 constexpr int64_t kTile = 16;  // rows of a tile; also pairs (k) and columns (n) per tile
 
@@ -92,12 +85,7 @@ void TileBlock(int64_t k2, const uint16_t* a, int64_t lda, const uint16_t* b, in
 // row blocks stream A.
 void TileProducts(int64_t m, int64_t n, int64_t k2, const uint16_t* a, int64_t lda,
                   const uint16_t* b, int64_t ldb, float* c, int64_t ldc, bool accumulate) {
-  TileConfig config;
-  for (int i = 0; i < 8; ++i) {
-    config.rows[i] = kTile;
-    config.colsb[i] = 64;
-  }
-  _tile_loadconfig(&config);
+  ConfigureTiles();
   for (int64_t j = 0; j < n; j += 2 * kTile) {
     const bool two_cols = j + 2 * kTile <= n;
     const uint16_t* bj = b + 2 * j;  // column j of pair-interleaved B

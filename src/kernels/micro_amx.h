@@ -1,0 +1,36 @@
+// The AMX tile configuration shared by the amx micro-kernels
+// (micro_amx.cc) and the tile peak loop (tools/peak_amx.cc). Include only
+// from translation units compiled with the AMX flags, and run only once
+// AmxTilesPermitted() (cpu_features.h) said yes.
+#ifndef RINGSPLASH_KERNELS_MICRO_AMX_H_
+#define RINGSPLASH_KERNELS_MICRO_AMX_H_
+
+#include <immintrin.h>
+
+#include <cstdint>
+
+namespace ringsplash::kernels::micro {
+
+// LDTILECFG's 64-byte operand (palette 1).
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Configures tmm0-7 as 16 rows x 64 bytes each (16 x 16 f32, or 16 x 32
+// bf16 = 16 pair rows of 16 columns): every tile the kernels use.
+inline void ConfigureTiles() {
+  TileConfig config;
+  for (int i = 0; i < 8; ++i) {
+    config.rows[i] = 16;
+    config.colsb[i] = 64;
+  }
+  _tile_loadconfig(&config);
+}
+
+}  // namespace ringsplash::kernels::micro
+
+#endif  // RINGSPLASH_KERNELS_MICRO_AMX_H_
