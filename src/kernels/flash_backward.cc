@@ -7,10 +7,11 @@
 // and three products consume them:
 //   dV_kvb += P^T dO,  dK_kvb += dS^T Q,  dQ_qb += dS K  (dS = dS^T read column-major).
 // That is the five products the FLOP count of the CLI assumes (2.5 x forward).
-// On the amx path with bf16 q, k, v and dout the first two products run on
-// AMX tiles from bf16 operands (exact products, f32 sums; Context::
-// tile_scores) and the kernel's epilogues then read them from memory; the
-// other three stay f32.
+// On the amx path with bf16 q, k, v and dout all five run on AMX tiles
+// (Context::tile_products): S^T and dP^T from the bf16 inputs (exact
+// products, f32 sums), which the kernel's epilogues then read from memory;
+// dV, dK and dQ with P^T and dS^T rounded to bf16 (relative error <= 2^-8
+// each, as FlashAttention's bf16 backward on GPUs; f32 sums).
 //
 // Determinism without float atomics: every accumulator is owned by one task
 // and summed in a fixed order —
@@ -40,10 +41,11 @@ namespace {
 using mask::BlockKind;
 using micro::RoundUp;
 
-// The q-side operands of one (b, h, q block) as f32: Q^T [d][ld_q] and dO^T
-// [dv][ld_q] (B operands of the scores), Q [bq][ld_d] and dO [bq][ld_dv]
-// (B operands of dK and dV); with tile scores also Q^T and dO^T as bf16
-// pairs (B operands of the tile GEMMs, micro.h; ld ld_q), else null.
+// The q-side operands of one (b, h, q block): the B operands of the five
+// products. As f32: Q^T [d][ld_q] and dO^T [dv][ld_q] (scores), Q [bq][ld_d]
+// and dO [bq][ld_dv] (dK and dV). With tile products instead (the f32
+// pointers null) as bf16 pairs (micro.h PackPairsBf16Fn): Q^T and dO^T
+// paired over d (ld ld_q), Q and dO paired over queries (ld ld_d, ld_dv).
 struct QTile {
   const float* qt;
   const float* dot;
@@ -51,6 +53,8 @@ struct QTile {
   const float* dout;
   const uint16_t* qt_pairs;
   const uint16_t* dot_pairs;
+  const uint16_t* q_pairs;
+  const uint16_t* do_pairs;
 };
 
 // Where the q-side tiles come from: packed once per call, or — when every kv
@@ -70,10 +74,16 @@ class QSide {
     dot_elems_ = g.dv * g.ld_q;
     q_elems_ = g.bq * g.ld_d;
     do_elems_ = g.bq * g.ld_dv;
-    // bf16 pairs of Q^T and dO^T (k padded to whole 16-pair steps), two per float.
-    qt_pair_elems_ = pairs ? RoundUp(g.d, 32) * g.ld_q / 2 : 0;
-    dot_pair_elems_ = pairs ? RoundUp(g.dv, 32) * g.ld_q / 2 : 0;
-    elems_ = qt_elems_ + dot_elems_ + q_elems_ + do_elems_ + qt_pair_elems_ + dot_pair_elems_;
+    f32_elems_ = qt_elems_ + dot_elems_ + q_elems_ + do_elems_;
+    elems_ = f32_elems_;
+    if (pairs) {
+      // Only bf16 pairs are kept (k padded to whole 16-pair steps; two per
+      // float); the f32 copies they are made from are per-thread scratch.
+      qt_pair_elems_ = RoundUp(g.d, 32) * g.ld_q / 2;
+      dot_pair_elems_ = RoundUp(g.dv, 32) * g.ld_q / 2;
+      q_pair_elems_ = RoundUp(g.bq, 32) * g.ld_d / 2;
+      elems_ = qt_pair_elems_ + dot_pair_elems_ + q_pair_elems_ + RoundUp(g.bq, 32) * g.ld_dv / 2;
+    }
     // Per thread when the q tiles of any kv tile (over its group's heads),
     // plus the one its successor adds, fit in the copies.
     const int64_t slots = TileCopies::Slots(elems_, kBudgetBytes);
@@ -110,32 +120,47 @@ class QSide {
     } else {
       base = all_.data() + t * elems_;
     }
-    const float* pairs = base + qt_elems_ + dot_elems_ + q_elems_ + do_elems_;
-    const bool with_pairs = qt_pair_elems_ > 0;
-    return {base,
-            base + qt_elems_,
-            base + qt_elems_ + dot_elems_,
-            base + qt_elems_ + dot_elems_ + q_elems_,
-            with_pairs ? reinterpret_cast<const uint16_t*>(pairs) : nullptr,
-            with_pairs ? reinterpret_cast<const uint16_t*>(pairs + qt_pair_elems_) : nullptr};
+    if (qt_pair_elems_ == 0) {
+      return {base,
+              base + qt_elems_,
+              base + qt_elems_ + dot_elems_,
+              base + qt_elems_ + dot_elems_ + q_elems_,
+              nullptr,
+              nullptr,
+              nullptr,
+              nullptr};
+    }
+    auto pairs = [&](int64_t offset) { return reinterpret_cast<const uint16_t*>(base + offset); };
+    const int64_t q_at = qt_pair_elems_ + dot_pair_elems_;
+    return {nullptr,     nullptr,
+            nullptr,     nullptr,
+            pairs(0),    pairs(qt_pair_elems_),
+            pairs(q_at), pairs(q_at + q_pair_elems_)};
   }
 
  private:
   void Pack(int64_t b, int64_t h, int64_t qb, float* dst) const {
     const int64_t m = g_.QRows(qb), r0 = qb * g_.bq;
-    PackTransposed(mk_, p_.q, b, h, r0, m, dst, g_.ld_q);
-    PackTransposed(mk_, dout_, b, h, r0, m, dst + qt_elems_, g_.ld_q);
-    PackRowsF32(Slab{&p_.q, b, h, r0, m, g_.d}, dst + qt_elems_ + dot_elems_, g_.ld_d, m);
-    PackRowsF32(Slab{&dout_, b, h, r0, m, g_.dv}, dst + qt_elems_ + dot_elems_ + q_elems_, g_.ld_dv,
-                m);
-    if (qt_pair_elems_ > 0) {
-      // From the f32 copies just made: bf16 inputs, so exact.
-      const int64_t mp = RoundUp(m, micro::kVec);
-      auto* pairs =
-          reinterpret_cast<uint16_t*>(dst + qt_elems_ + dot_elems_ + q_elems_ + do_elems_);
-      mk_.pack_pairs_bf16(g_.d, mp, dst, g_.ld_q, pairs, g_.ld_q);
-      mk_.pack_pairs_bf16(g_.dv, mp, dst + qt_elems_, g_.ld_q, pairs + 2 * qt_pair_elems_, g_.ld_q);
-    }
+    const bool pairs = qt_pair_elems_ > 0;
+    thread_local AlignedBuffer<float> scratch;
+    float* f32 = pairs ? Grow(scratch, f32_elems_) : dst;
+    float* qt = f32;
+    float* dot = qt + qt_elems_;
+    float* q = dot + dot_elems_;
+    float* dout = q + q_elems_;
+    PackTransposed(mk_, p_.q, b, h, r0, m, qt, g_.ld_q);
+    PackTransposed(mk_, dout_, b, h, r0, m, dot, g_.ld_q);
+    PackRowsF32(Slab{&p_.q, b, h, r0, m, g_.d}, q, g_.ld_d, m);
+    PackRowsF32(Slab{&dout_, b, h, r0, m, g_.dv}, dout, g_.ld_dv, m);
+    if (!pairs) return;
+    // From the f32 copies just made: bf16 inputs, so exact.
+    const int64_t mp = RoundUp(m, micro::kVec);
+    auto* out = reinterpret_cast<uint16_t*>(dst);
+    const int64_t q_at = 2 * (qt_pair_elems_ + dot_pair_elems_);
+    mk_.pack_pairs_bf16(g_.d, mp, qt, g_.ld_q, out, g_.ld_q);
+    mk_.pack_pairs_bf16(g_.dv, mp, dot, g_.ld_q, out + 2 * qt_pair_elems_, g_.ld_q);
+    mk_.pack_pairs_bf16(m, g_.dp, q, g_.ld_d, out + q_at, g_.ld_d);
+    mk_.pack_pairs_bf16(m, g_.dvp, dout, g_.ld_dv, out + q_at + 2 * q_pair_elems_, g_.ld_dv);
   }
 
   const FlashParams& p_;
@@ -143,8 +168,8 @@ class QSide {
   const Geometry& g_;
   const micro::MicroKernels& mk_;
   uint64_t id_;
-  int64_t qt_elems_ = 0, dot_elems_ = 0, q_elems_ = 0, do_elems_ = 0, elems_ = 0;
-  int64_t qt_pair_elems_ = 0, dot_pair_elems_ = 0;
+  int64_t qt_elems_ = 0, dot_elems_ = 0, q_elems_ = 0, do_elems_ = 0, f32_elems_ = 0, elems_ = 0;
+  int64_t qt_pair_elems_ = 0, dot_pair_elems_ = 0, q_pair_elems_ = 0;
   bool per_thread_ = false;
   AlignedBuffer<float> all_;
 };
@@ -152,19 +177,25 @@ class QSide {
 // Per-thread scratch of one tile.
 struct Workspace {
   AlignedBuffer<float> pt, ds, deriv, tile, dk, dv, dq;
-  // Tile scores (amx path, bf16 q, k, v and dout): K and V rows as bf16
-  // (ld RoundUp(D, 2), RoundUp(Dv, 2)); the q side's pairs are in QTile.
-  AlignedBuffer<uint16_t> k_bf16, v_bf16;
+  // Tile products (amx path, bf16 q, k, v and dout), the q side's pairs
+  // being in QTile: K and V rows as bf16 (ld RoundUp(D, 2), RoundUp(Dv, 2))
+  // and K paired over keys (ld ld_d) once per kv tile; P^T and dS^T as bf16
+  // rows (ld ld_q) and dS as bf16 rows (ld RoundUp(bkv, 32)) per tile.
+  AlignedBuffer<uint16_t> k_bf16, v_bf16, k_pairs, pt_bf16, ds_bf16, dsq_bf16;
   TileMask mask;
   TileCopies q_copies;   // QSide's per-thread mode
   KvTileCache kv_cache;  // where K and V are read (this thread's copies, or the call's)
   bool masked = false;   // whether the tile in pt / ds has a mask (then `mask` holds it)
 
-  static Workspace& ForThisThread(const Geometry& g, bool capped, bool tile_scores) {
+  static Workspace& ForThisThread(const Geometry& g, bool capped, bool tile_products) {
     thread_local Workspace ws;
-    if (tile_scores) {
+    if (tile_products) {
       Grow(ws.k_bf16, g.bkv * RoundUp(g.d, 2));
       Grow(ws.v_bf16, g.bkv * RoundUp(g.dv, 2));
+      Grow(ws.k_pairs, RoundUp(g.bkv, 32) * g.ld_d);
+      Grow(ws.pt_bf16, g.bkv * g.ld_q);
+      Grow(ws.ds_bf16, g.bkv * g.ld_q);
+      Grow(ws.dsq_bf16, g.bq * RoundUp(g.bkv, 32));
     }
     Grow(ws.pt, g.bkv * g.ld_q);
     Grow(ws.ds, g.bkv * g.ld_q);
@@ -188,39 +219,47 @@ struct Context {
   const KvRows& kv;
   const float* lse;
   const float* delta;
-  // S^T = K Q^T and dP^T = V dO^T on AMX tiles (amx path; q, k, v and dout
-  // bf16, so their f32 copies hold bf16 values and the bf16 operands made
-  // from them are exact): products stored, then BackwardTile's epilogues.
-  bool tile_scores;
+  // All five products on AMX tiles (amx path; q, k, v and dout bf16, so
+  // their f32 copies hold bf16 values and the bf16 operands made from them
+  // are exact): S^T = K Q^T and dP^T = V dO^T stored, then BackwardTile's
+  // epilogues; dV, dK and dQ from bf16 P^T and dS^T (GradOperandsBf16Fn).
+  bool tile_products;
 };
 
-// Whether this call computes its score products on tiles (Context).
-bool TileScores(const FlashParams& p, const TensorView& dout, const micro::MicroKernels& mk) {
+// Whether this call computes its products on tiles (Context).
+bool TileProducts(const FlashParams& p, const TensorView& dout, const micro::MicroKernels& mk) {
   return p.q.dtype == DType::kBF16 && dout.dtype == DType::kBF16 && mk.pack_pairs_bf16 != nullptr &&
-         mk.gemm_bf16 != nullptr;
+         mk.grad_operands_bf16 != nullptr && mk.gemm_bf16 != nullptr;
 }
 
-// The kv tile's bf16 rows for tile scores (once per kv tile and task), read
-// from the bf16 inputs.
-void KvToBf16(const Context& c, int64_t b, int64_t kh, int64_t kvb, Workspace& ws) {
-  if (!c.tile_scores) return;
+// The kv tile's bf16 operands for tile products (once per kv tile and task):
+// K and V rows read from the bf16 inputs, K pairs from its f32 rows (exact).
+void KvToBf16(const Context& c, const KvTile& kvt, int64_t b, int64_t kh, int64_t kvb,
+              Workspace& ws) {
+  if (!c.tile_products) return;
   const Geometry& g = c.g;
   const int64_t n = g.KvRows(kvb), r0 = kvb * g.bkv;
   PackRowsBf16(Slab{&c.p.k, b, kh, r0, n, g.d}, ws.k_bf16.data(), RoundUp(g.d, 2));
   PackRowsBf16(Slab{&c.p.v, b, kh, r0, n, g.dv}, ws.v_bf16.data(), RoundUp(g.dv, 2));
+  c.mk.pack_pairs_bf16(n, g.dp, kvt.k, kvt.ldk, ws.k_pairs.data(), g.ld_d);
 }
 
-// P^T and dS^T of tile (b, h, qb, kvb) into ws.pt / ws.ds; returns its kind
-// (kEmpty: nothing computed). With tile scores, K and V must be in ws's bf16
-// rows already, or (convert_kv) are converted here once the tile is known
-// not to be empty.
+// Which products' operands a tile is for: the one-pass schedule uses all
+// three gradient products, its two-pass fallback dV and dK, then dQ.
+enum class Uses { kAll, kKv, kQ };
+
+// P^T and dS^T of tile (b, h, qb, kvb) into ws.pt / ws.ds (with tile
+// products also as the bf16 operands `uses` needs); returns its kind
+// (kEmpty: nothing computed). With tile products, the kv tile's bf16
+// operands must be in ws already, or (convert_kv) are made here once the
+// tile is known not to be empty.
 BlockKind TileProbs(const Context& c, const QTile& qs, const KvTile& kvt, BlockKind map_kind,
-                    int64_t b, int64_t h, int64_t qb, int64_t kvb, Workspace& ws,
+                    int64_t b, int64_t h, int64_t qb, int64_t kvb, Workspace& ws, Uses uses,
                     bool convert_kv = false) {
   const Geometry& g = c.g;
   const BlockKind kind = c.plan.Refine(map_kind, b, qb, kvb);
   if (kind == BlockKind::kEmpty) return kind;
-  if (convert_kv) KvToBf16(c, b, h / g.group, kvb, ws);
+  if (convert_kv) KvToBf16(c, kvt, b, h / g.group, kvb, ws);
   const int64_t row = (b * g.h + h) * g.sq + qb * g.bq;
   micro::BackwardTileArgs a;
   micro::TileArgs& t = a.t;
@@ -250,7 +289,7 @@ BlockKind TileProbs(const Context& c, const QTile& qs, const KvTile& kvt, BlockK
   a.delta = c.delta + row;
   a.ds = ws.ds.data();
   a.deriv = ws.deriv.data();
-  if (c.tile_scores) {
+  if (c.tile_products) {
     const int64_t mp = RoundUp(t.queries, micro::kVec);
     const int64_t d2 = RoundUp(g.d, 2), dv2 = RoundUp(g.dv, 2);
     c.mk.gemm_bf16(t.keys, mp, d2 / 2, ws.k_bf16.data(), d2, qs.qt_pairs, g.ld_q, t.pt, t.ldp,
@@ -260,6 +299,12 @@ BlockKind TileProbs(const Context& c, const QTile& qs, const KvTile& kvt, BlockK
     a.products_stored = true;
   }
   c.mk.backward_tile(a);
+  if (c.tile_products) {
+    const bool kv = uses != Uses::kQ, q = uses != Uses::kKv;
+    c.mk.grad_operands_bf16(t.keys, t.queries, t.pt, a.ds, t.ldp, kv ? ws.pt_bf16.data() : nullptr,
+                            kv ? ws.ds_bf16.data() : nullptr, g.ld_q,
+                            q ? ws.dsq_bf16.data() : nullptr, RoundUp(g.bkv, 32));
+  }
   return kind;
 }
 
@@ -268,6 +313,16 @@ void AccumulateKv(const Context& c, const QTile& qs, int64_t qb, int64_t kvb, fl
                   const Workspace& ws) {
   const Geometry& g = c.g;
   const int64_t m = g.QRows(qb), n = g.KvRows(kvb);
+  if (c.tile_products) {
+    // k over the tile's mp query lanes: pairs of P^T / dS^T rows with those
+    // of Q / dO (zero beyond m on both sides).
+    const int64_t k2 = RoundUp(m, micro::kVec) / 2;
+    c.mk.gemm_bf16(n, g.dvp, k2, ws.pt_bf16.data(), g.ld_q, qs.do_pairs, g.ld_dv, dv, g.ld_dv,
+                   nullptr, true);
+    c.mk.gemm_bf16(n, g.dp, k2, ws.ds_bf16.data(), g.ld_q, qs.q_pairs, g.ld_d, dk, g.ld_d, nullptr,
+                   true);
+    return;
+  }
   c.mk.gemm_f32(n, g.dvp, m, ws.pt.data(), g.ld_q, 1, qs.dout, g.ld_dv, dv, g.ld_dv, nullptr, true);
   c.mk.gemm_f32(n, g.dp, m, ws.ds.data(), g.ld_q, 1, qs.q, g.ld_d, dk, g.ld_d, nullptr, true);
 }
@@ -276,6 +331,11 @@ void AccumulateKv(const Context& c, const QTile& qs, int64_t qb, int64_t kvb, fl
 void AccumulateQ(const Context& c, const KvTile& kvt, int64_t qb, int64_t kvb, float* dq,
                  const Workspace& ws) {
   const Geometry& g = c.g;
+  if (c.tile_products) {
+    c.mk.gemm_bf16(g.QRows(qb), g.dp, RoundUp(g.KvRows(kvb), 2) / 2, ws.dsq_bf16.data(),
+                   RoundUp(g.bkv, 32), ws.k_pairs.data(), g.ld_d, dq, g.ld_d, nullptr, true);
+    return;
+  }
   c.mk.gemm_f32(g.QRows(qb), g.dp, g.KvRows(kvb), ws.ds.data(), 1, g.ld_q, kvt.k, kvt.ldk, dq,
                 g.ld_d, nullptr, true);
 }
@@ -309,20 +369,20 @@ void AddQTile(const Geometry& g, int64_t b, int64_t h, int64_t qb, const float* 
 // column map, in order; `on_tile(h, qb, kind, kv tile)` runs after each computed tile (the
 // one-pass schedule adds its dQ there).
 template <class OnTile>
-void KvBlock(const Context& c, const TilePlan& cols, int64_t b, int64_t kh, int64_t kvb,
+void KvBlock(const Context& c, const TilePlan& cols, int64_t b, int64_t kh, int64_t kvb, Uses uses,
              Workspace& ws, WorkerStats& st, float* dk_acc, float* dv_acc, OnTile&& on_tile) {
   const Geometry& g = c.g;
   const int64_t n = g.KvRows(kvb);
   std::memset(ws.dk.data(), 0, static_cast<size_t>(n * g.ld_d) * sizeof(float));
   std::memset(ws.dv.data(), 0, static_cast<size_t>(n * g.ld_dv) * sizeof(float));
   const KvTile kvt = ws.kv_cache.Get(c.kv, c.mk, b, kh, kvb);
-  KvToBf16(c, b, kh, kvb, ws);
+  KvToBf16(c, kvt, b, kh, kvb, ws);
   int64_t computed = 0;
   for (int64_t h = kh * g.group; h < (kh + 1) * g.group; ++h) {
     for (const mask::BlockRun& run : cols.map().Runs(h, kvb)) {
       for (int64_t qb = run.begin; qb < run.end; ++qb) {
         const QTile qs = c.qs.Get(b, h, qb, ws.q_copies);
-        const BlockKind kind = TileProbs(c, qs, kvt, run.kind, b, h, qb, kvb, ws);
+        const BlockKind kind = TileProbs(c, qs, kvt, run.kind, b, h, qb, kvb, ws, uses);
         if (kind == BlockKind::kEmpty) continue;
         AccumulateKv(c, qs, qb, kvb, ws.dk.data(), ws.dv.data(), ws);
         on_tile(h, qb, kind, kvt);
@@ -348,21 +408,21 @@ void FlashBackward(const FlashParams& p, ThreadPool& pool, const TensorView& dou
   if (g.b == 0 || g.sq == 0 || g.h == 0 || g.skv == 0) return;
   const micro::MicroKernels& mk = micro::MicroKernelsFor(p.path);
   const bool capped = p.softcap > 0.0f;
-  const bool tile_scores = TileScores(p, dout, mk);
+  const bool tile_products = TileProducts(p, dout, mk);
   const TilePlan cols(p, g, /*by_column=*/true);
-  const QSide qs(p, dout, g, mk, cols, pool, tile_scores);
+  const QSide qs(p, dout, g, mk, cols, pool, tile_products);
   const KvRows kv(p, g, KvRows::KeyFormat::kF32Padded, cols.UsesPerKvTile(), pool,
                   /*tile_cache=*/true);
   std::vector<WorkerStats> wstats(static_cast<size_t>(pool.size()));
 
   if (BackwardInOnePass(g, pool.size())) {
-    const Context c{p, g, mk, cols, qs, kv, lse, delta, tile_scores};
+    const Context c{p, g, mk, cols, qs, kv, lse, delta, tile_products};
     // dQ tiles of the task's group: [group][nqb][bq][ld_d], one per worker.
     const int64_t dq_elems = g.group * g.nqb * g.bq * g.ld_d;
     std::vector<AlignedBuffer<float>> dq(static_cast<size_t>(pool.size()));
     pool.ParallelFor(g.b * g.hkv, [&](int64_t task, int worker) {
       const int64_t kh = task % g.hkv, b = task / g.hkv;
-      Workspace& ws = Workspace::ForThisThread(g, capped, tile_scores);
+      Workspace& ws = Workspace::ForThisThread(g, capped, tile_products);
       WorkerStats& st = wstats[static_cast<size_t>(worker)];
       AlignedBuffer<float>& dqs = dq[static_cast<size_t>(worker)];
       if (dqs.size() == 0) {
@@ -374,7 +434,7 @@ void FlashBackward(const FlashParams& p, ThreadPool& pool, const TensorView& dou
         return dqs.data() + ((h - kh * g.group) * g.nqb + qb) * g.bq * g.ld_d;
       };
       for (int64_t kvb = 0; kvb < g.nkvb; ++kvb) {
-        KvBlock(c, cols, b, kh, kvb, ws, st, dk_acc, dv_acc,
+        KvBlock(c, cols, b, kh, kvb, Uses::kAll, ws, st, dk_acc, dv_acc,
                 [&](int64_t h, int64_t qb, BlockKind kind, const KvTile& kvt) {
                   AccumulateQ(c, kvt, qb, kvb, dq_tile(h, qb), ws);
                   CountTile(kind, g, g.QRows(qb), g.KvRows(kvb), st);
@@ -389,13 +449,13 @@ void FlashBackward(const FlashParams& p, ThreadPool& pool, const TensorView& dou
   }
 
   {  // Pass 1: dK, dV (tile counts as in the forward, FLOPs of its four products).
-    const Context c{p, g, mk, cols, qs, kv, lse, delta, tile_scores};
+    const Context c{p, g, mk, cols, qs, kv, lse, delta, tile_products};
     pool.ParallelFor(g.b * g.hkv * g.nkvb, [&](int64_t task, int worker) {
       const int64_t kvb = task % g.nkvb, kh = (task / g.nkvb) % g.hkv;
       const int64_t b = task / (g.nkvb * g.hkv);
-      Workspace& ws = Workspace::ForThisThread(g, capped, tile_scores);
+      Workspace& ws = Workspace::ForThisThread(g, capped, tile_products);
       WorkerStats& st = wstats[static_cast<size_t>(worker)];
-      KvBlock(c, cols, b, kh, kvb, ws, st, dk_acc, dv_acc,
+      KvBlock(c, cols, b, kh, kvb, Uses::kKv, ws, st, dk_acc, dv_acc,
               [&](int64_t, int64_t qb, BlockKind kind, const KvTile&) {
                 CountTile(kind, g, g.QRows(qb), g.KvRows(kvb), st);
                 st.flops -= 2 * g.QRows(qb) * g.KvRows(kvb) * g.d;  // no dQ product here
@@ -404,11 +464,11 @@ void FlashBackward(const FlashParams& p, ThreadPool& pool, const TensorView& dou
   }
   {  // Pass 2: dQ (recomputes S and dP: FLOPs only).
     const TilePlan rows(p, g, /*by_column=*/false);
-    const Context c{p, g, mk, rows, qs, kv, lse, delta, tile_scores};
+    const Context c{p, g, mk, rows, qs, kv, lse, delta, tile_products};
     pool.ParallelFor(g.b * g.h * g.nqb, [&](int64_t task, int worker) {
       const int64_t qb = g.nqb - 1 - task % g.nqb;
       const int64_t h = (task / g.nqb) % g.h, b = task / (g.nqb * g.h);
-      Workspace& ws = Workspace::ForThisThread(g, capped, tile_scores);
+      Workspace& ws = Workspace::ForThisThread(g, capped, tile_products);
       WorkerStats& st = wstats[static_cast<size_t>(worker)];
       float* dq = ws.dq.data();
       std::memset(dq, 0, static_cast<size_t>(g.QRows(qb) * g.ld_d) * sizeof(float));
@@ -416,7 +476,7 @@ void FlashBackward(const FlashParams& p, ThreadPool& pool, const TensorView& dou
       for (const mask::BlockRun& run : rows.map().Runs(h, qb)) {
         for (int64_t kvb = run.begin; kvb < run.end; ++kvb) {
           const KvTile kvt = ws.kv_cache.Get(c.kv, c.mk, b, h / g.group, kvb);
-          if (TileProbs(c, qs, kvt, run.kind, b, h, qb, kvb, ws, /*convert_kv=*/true) ==
+          if (TileProbs(c, qs, kvt, run.kind, b, h, qb, kvb, ws, Uses::kQ, /*convert_kv=*/true) ==
               BlockKind::kEmpty) {
             continue;
           }

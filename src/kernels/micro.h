@@ -61,7 +61,7 @@ using GemmBf16Fn = void (*)(int64_t m, int64_t n, int64_t k2, const uint16_t* a,
                             const float* row_scale, bool accumulate);
 
 // B operands of the amx path's tile GEMMs (micro_amx.cc; the forward's V,
-// the backward's Q^T and dO^T): f32 rows as bf16 pairs, rounded to nearest
+// the backward's Q^T, dO^T, Q, dO and K): f32 rows as bf16 pairs, rounded to nearest
 // even,
 //   dst[((r / 2) * ldd + c) * 2 + r % 2] = bf16(src[r * lds + c]), zero rows
 //   from `rows` to RoundUp(rows, 32) (whole 16-pair k steps); cols % 16 == 0.
@@ -176,15 +176,29 @@ struct BackwardTileArgs {
 };
 using BackwardTileFn = void (*)(const BackwardTileArgs& b);
 
+// The amx backward's A operands of its three gradient products, rounded to
+// bf16 (nearest even) from a backward tile's P^T and dS^T (ldp):
+//   pt_rows[j * ldr + i] = bf16(P^T_ji), ds_rows[j * ldr + i] = bf16(dS^T_ji)
+//     for j < keys, i < mp (zero for i >= queries): the A of dV += P^T dO and
+//     dK += dS^T Q, k running over queries;
+//   ds_cols[i * ldc + j] = bf16(dS^T_ji) for i < queries, j < RoundUp(keys, 32)
+//     (zero for j >= keys): the A of dQ += dS K, k running over keys.
+// pt_rows and ds_rows (together) or ds_cols may be null: not wanted.
+using GradOperandsBf16Fn = void (*)(int64_t keys, int64_t queries, const float* pt, const float* ds,
+                                    int64_t ldp, uint16_t* pt_rows, uint16_t* ds_rows, int64_t ldr,
+                                    uint16_t* ds_cols, int64_t ldc);
+
 struct MicroKernels {
   const char* name = "";
   GemmF32Fn gemm_f32 = nullptr;
   GemmF32RangesFn gemm_f32_ranges = nullptr;
   GemmBf16Fn gemm_bf16 = nullptr;  // only on the avx512_bf16 and amx paths
   // Only on the amx path: bf16 pairs for tile GEMMs (the forward's V, the
-  // backward's Q^T and dO^T) and the forward's step writing P as bf16 rows.
+  // backward's Q^T, dO^T, Q, dO and K), the forward's step writing P as bf16
+  // rows and the backward's bf16 P^T, dS^T and dS.
   PackPairsBf16Fn pack_pairs_bf16 = nullptr;
   SoftmaxBf16Fn softmax_bf16 = nullptr;
+  GradOperandsBf16Fn grad_operands_bf16 = nullptr;
   TransposeF32Fn transpose_f32 = nullptr;
   CopyRowsF32Fn copy_rows_f32 = nullptr;
   MaskBitsFn mask_bits = nullptr;

@@ -251,6 +251,38 @@ bool LazyStepBf16(const TileArgs& t, float* row_max, float* row_sum, float* alph
   return true;
 }
 
+// GradOperandsBf16Fn, 16 keys x 16 queries at a time: the rows converted as
+// loaded, the dS block also transposed in registers for ds_cols.
+void GradOperandsBf16(int64_t keys, int64_t queries, const float* pt, const float* ds, int64_t ldp,
+                      uint16_t* pt_rows, uint16_t* ds_rows, int64_t ldr, uint16_t* ds_cols,
+                      int64_t ldc) {
+  const int64_t mp = RoundUp(queries, kVec);
+  const int64_t padded = ds_cols != nullptr ? RoundUp(keys, 32) : keys;
+  auto to_bf16 = [](__m512 x) { return reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(x)); };
+  for (int64_t i0 = 0; i0 < mp; i0 += 16) {
+    const int64_t nq = std::min<int64_t>(16, queries - i0);
+    const __mmask16 in = avx512::LaneMask(nq);
+    for (int64_t j0 = 0; j0 < padded; j0 += 16) {
+      __m512 r[16];
+      RINGSPLASH_UNROLL
+      for (int jj = 0; jj < 16; ++jj) {
+        const int64_t j = j0 + jj;
+        if (j >= keys) {
+          r[jj] = _mm512_setzero_ps();
+          continue;
+        }
+        r[jj] = _mm512_maskz_loadu_ps(in, ds + j * ldp + i0);
+        if (pt_rows != nullptr) {
+          const __m512 p = _mm512_maskz_loadu_ps(in, pt + j * ldp + i0);
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(pt_rows + j * ldr + i0), to_bf16(p));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(ds_rows + j * ldr + i0), to_bf16(r[jj]));
+        }
+      }
+      if (ds_cols != nullptr) StoreTransposedBf16(r, nq, ds_cols, ldc, i0, j0);
+    }
+  }
+}
+
 // SoftmaxBf16Fn: the lazy step where it applies (no soft cap), else the
 // exact AVX-512 step in place and its P^T transposed to bf16 rows.
 void SoftmaxBf16(const TileArgs& t, float* row_max, float* row_sum, float* alpha, uint16_t* p,
@@ -269,6 +301,7 @@ const MicroKernels& AmxMicroKernels() {
     t.gemm_bf16 = GemmBf16Amx;
     t.pack_pairs_bf16 = PackPairsBf16;
     t.softmax_bf16 = SoftmaxBf16;
+    t.grad_operands_bf16 = GradOperandsBf16;
     return t;
   }();
   return table;

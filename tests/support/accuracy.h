@@ -32,6 +32,12 @@ struct Tolerances {
   double low_grad_slack = 1e-6;
 };
 
+// Whether `path` rounds f32 intermediates to bf16 for its tile products
+// when the inputs (and dout) are `dtype`: the amx path with bf16 rounds P
+// for the forward's P V, and P and dS for the backward's dV, dK and dQ
+// (relative error <= 2^-8 each; flash_forward.cc, flash_backward.cc).
+bool RoundsBf16Operands(KernelPath path, DType dtype);
+
 // Unit roundoff of a storage dtype (bf16 2^-8, f16 2^-11, f32 2^-24).
 double UnitRoundoff(DType dtype);
 

@@ -119,6 +119,7 @@ RefBackward ReferenceBackward(const RefProblem& p, const std::vector<double>& do
   g.dv.assign(p.v.size(), 0.0);
   g.dq_terms.assign(p.q.size(), 0.0);
   g.dk_terms.assign(p.k.size(), 0.0);
+  g.dv_terms.assign(p.v.size(), 0.0);
   if (!p.sinks.empty()) {
     g.dsinks.assign(static_cast<size_t>(p.h), 0.0);
     g.dsinks_terms.assign(static_cast<size_t>(p.h), 0.0);
@@ -174,7 +175,11 @@ RefBackward ReferenceBackward(const RefProblem& p, const std::vector<double>& do
             dq_terms[d] += std::abs(scale * ds_abs * k[d]);
             dk_terms[d] += std::abs(scale * ds_abs * q[d]);
           }
-          for (int64_t e = 0; e < p.dv; ++e) dv[e] += pij * dO[e];
+          double* dv_terms = &g.dv_terms[VIdx(p, b, j, kvh)];
+          for (int64_t e = 0; e < p.dv; ++e) {
+            dv[e] += pij * dO[e];
+            dv_terms[e] += pij * std::abs(dO[e]);
+          }
         }
       }
     }

@@ -48,6 +48,10 @@ struct RefBackward {
   // these sums, so dq and dk errors are measured against them too.
   std::vector<double> dq_terms;
   std::vector<double> dk_terms;
+  // Same shape as dv: sum_i p_ij |dout_i|, the magnitudes of dv's terms.
+  // Products rounded to bf16 (the amx backward rounds P to bf16 for dV)
+  // err by up to u times this, however much the signed terms cancel.
+  std::vector<double> dv_terms;
 };
 
 RefForward ReferenceForward(const RefProblem& p);

@@ -320,7 +320,8 @@ Errors ErrorsOf(const ApiResult& api, const RefResult& ref) {
         Compare(api.dq, ref.bwd.dq).Relative(std::max(kMagnitudeFloor, MaxAbs(ref.bwd.dq_terms)));
     e.dk =
         Compare(api.dk, ref.bwd.dk).Relative(std::max(kMagnitudeFloor, MaxAbs(ref.bwd.dk_terms)));
-    e.dv = Compare(api.dv, ref.bwd.dv).Relative(kMagnitudeFloor);
+    e.dv =
+        Compare(api.dv, ref.bwd.dv).Relative(std::max(kMagnitudeFloor, MaxAbs(ref.bwd.dv_terms)));
     double dsinks_scale = kMagnitudeFloor;
     for (double t : ref.bwd.dsinks_terms) dsinks_scale = std::max(dsinks_scale, t);
     e.dsinks = Compare(api.dsinks, ref.bwd.dsinks).Relative(dsinks_scale);

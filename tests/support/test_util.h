@@ -123,12 +123,12 @@ RefResult RunReference(const OwnedInputs& in, const AttentionOptions& opt, const
 // nearly so (e.g. dq of rows with a single allowed key, where p = 1 and
 // dp - D cancels): the API's rounding noise there is ~u times the size of
 // the cancelling terms, which are O(0.1..10) for the O(1) test inputs, so
-// it is measured against that scale rather than against 0. dq and dk are
-// measured against the largest sum of their terms' magnitudes
-// (RefBackward::dq_terms, dk_terms) when that is larger, since their
-// rounding is ~u times it however much dS cancels; a wrong mask element or
-// GQA head moves them by one whole term, >= 1/Skv of the sum, far above
-// 1e-5 for the test shapes. dsinks, a sum of
+// it is measured against that scale rather than against 0. dq, dk and dv
+// are measured against the largest sum of their terms' magnitudes
+// (RefBackward::dq_terms, dk_terms, dv_terms) when that is larger, since
+// their rounding is ~u times it however much the terms cancel; a wrong mask
+// element or GQA head moves them by one whole term, >= 1/Skv of the sum, far
+// above 1e-5 for the test shapes. dsinks, a sum of
 // B * Sq signed terms, is measured against the sum of their magnitudes
 // (RefBackward::dsinks_terms) when that is larger: its f32 rounding is
 // ~sqrt(B * Sq) u times that sum however much the terms cancel, while a lost
