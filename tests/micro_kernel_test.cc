@@ -176,6 +176,71 @@ TEST(MicroKernelTest, Bf16PairPackerForTilePvMatchesLoops) {
   if (paths == 0) GTEST_SKIP() << "no path packs V pairs for tile P V (needs AMX)";
 }
 
+// The amx backward's bf16 gradient operands against plain loops: P^T and
+// dS^T rounded to nearest even as F32ToBF16 does, lanes from `queries` to the
+// vector's end zero even where the input holds garbage there (BackwardTileFn
+// leaves them unspecified), dS transposed with keys zero up to whole 32-key
+// steps, nothing written past that (canaries), and either output skipped
+// when its pointers are null.
+TEST(MicroKernelTest, Bf16GradientOperandsMatchLoops) {
+  int paths = 0;
+  for (KernelPath path : SupportedKernelPaths()) {
+    const kernels::micro::MicroKernels& mk = kernels::micro::MicroKernelsFor(path);
+    if (mk.grad_operands_bf16 == nullptr) continue;
+    ++paths;
+    Rng rng(6);
+    constexpr uint16_t kCanary = 0xABCD;
+    for (int64_t keys : {1, 16, 33, 48, 128}) {
+      for (int64_t queries : {1, 16, 20, 64, 128}) {
+        const int64_t mp = RoundUpTo16(queries), ldp = mp + 16;
+        const int64_t ldr = mp + 16, kp = (keys + 31) / 32 * 32, ldc = kp + 16;
+        // Garbage (99) in lanes >= queries: the function must not read it through.
+        std::vector<float> pt = RandomFloats(rng, static_cast<size_t>(keys * ldp), 0, 1);
+        std::vector<float> ds = RandomFloats(rng, static_cast<size_t>(keys * ldp), -3, 3);
+        for (int64_t j = 0; j < keys; ++j) {
+          for (int64_t i = queries; i < ldp; ++i) pt[j * ldp + i] = ds[j * ldp + i] = 99.0f;
+        }
+        for (int variant = 0; variant < 3; ++variant) {  // both, rows only, cols only
+          const bool rows = variant != 2, cols = variant != 1;
+          std::vector<uint16_t> pt_rows(static_cast<size_t>(keys * ldr), kCanary);
+          std::vector<uint16_t> ds_rows(pt_rows),
+              ds_cols(static_cast<size_t>(queries * ldc), kCanary);
+          mk.grad_operands_bf16(keys, queries, pt.data(), ds.data(), ldp,
+                                rows ? pt_rows.data() : nullptr, rows ? ds_rows.data() : nullptr,
+                                ldr, cols ? ds_cols.data() : nullptr, ldc);
+          const std::string what =
+              std::string(KernelPathName(path)) + " keys=" + std::to_string(keys) +
+              " queries=" + std::to_string(queries) + " variant=" + std::to_string(variant);
+          for (int64_t j = 0; j < keys; ++j) {
+            for (int64_t i = 0; i < ldr; ++i) {
+              const size_t at = static_cast<size_t>(j * ldr + i);
+              const bool live = rows && i < mp;
+              const uint16_t want_p = !live         ? kCanary
+                                      : i < queries ? F32ToBF16(pt[j * ldp + i])
+                                                    : uint16_t{0};
+              const uint16_t want_s = !live         ? kCanary
+                                      : i < queries ? F32ToBF16(ds[j * ldp + i])
+                                                    : uint16_t{0};
+              ASSERT_EQ(pt_rows[at], want_p) << what << " pt_rows j=" << j << " i=" << i;
+              ASSERT_EQ(ds_rows[at], want_s) << what << " ds_rows j=" << j << " i=" << i;
+            }
+          }
+          for (int64_t i = 0; i < queries; ++i) {
+            for (int64_t j = 0; j < ldc; ++j) {
+              const uint16_t want = !cols || j >= kp ? kCanary
+                                    : j < keys       ? F32ToBF16(ds[j * ldp + i])
+                                                     : uint16_t{0};
+              ASSERT_EQ(ds_cols[static_cast<size_t>(i * ldc + j)], want)
+                  << what << " ds_cols i=" << i << " j=" << j;
+            }
+          }
+        }
+      }
+    }
+  }
+  if (paths == 0) GTEST_SKIP() << "no path makes bf16 gradient operands (needs AMX)";
+}
+
 // rows x lds random floats with a NaN in every column >= cols: what a
 // NaN/Inf check of the first cols columns must not count.
 std::vector<float> RowsWithNaNTail(Rng& rng, int64_t rows, int64_t cols, int64_t lds) {
