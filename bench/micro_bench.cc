@@ -305,6 +305,26 @@ void BM_GemmBf16Scores(benchmark::State& state) {
   SetFlops(state, 2.0 * m * n * d);
 }
 
+// A gradient product of the amx backward, dV += P^T dO (dK, dQ alike): bkv
+// rows, D columns, bq queries (pairs of them) summed into C. Args: path,
+// bq, bkv, d.
+void BM_GemmBf16Accumulate(benchmark::State& state) {
+  const int64_t m = state.range(1), n = state.range(2), d = state.range(3);
+  const MicroKernels* mk = KernelsOr(state, static_cast<KernelPath>(state.range(0)));
+  if (mk == nullptr) return;
+  const int64_t ldq = PaddedLd(m), ldd = PaddedLd(d);
+  AlignedBuffer<uint16_t> pt(n * ldq), dout(RoundUp(m, 32) * ldd);
+  AlignedBuffer<float> dv(n * ldd);
+  FillBf16(pt.data(), pt.size(), 1);
+  FillBf16(dout.data(), dout.size(), 2);
+  for (auto _ : state) {
+    mk->gemm_bf16(n, d, RoundUp(m, 16) / 2, pt.data(), ldq, dout.data(), ldd, dv.data(), ldd,
+                  nullptr, true);
+    benchmark::ClobberMemory();
+  }
+  SetFlops(state, 2.0 * m * n * d);
+}
+
 // Packing of one Q block as Q^T (f32), once per forward task. Args: bq, D.
 void BM_PackTransposedF32(benchmark::State& state) {
   const int64_t n = state.range(0), d = state.range(1);
@@ -496,6 +516,13 @@ BENCHMARK(BM_GemmBf16Scores)
     ->ArgsProduct({{static_cast<int64_t>(KernelPath::kAvx512Bf16),
                     static_cast<int64_t>(KernelPath::kAmx)},
                    {64, 128},
+                   {128},
+                   {64, 128}})
+    ->ArgNames({"path", "bq", "bkv", "d"});
+BENCHMARK(BM_GemmBf16Accumulate)
+    ->ArgsProduct({{static_cast<int64_t>(KernelPath::kAvx512Bf16),
+                    static_cast<int64_t>(KernelPath::kAmx)},
+                   {128},
                    {128},
                    {64, 128}})
     ->ArgNames({"path", "bq", "bkv", "d"});

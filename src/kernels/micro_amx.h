@@ -22,13 +22,19 @@ struct alignas(64) TileConfig {
 
 // Configures tmm0-7 as 16 rows x 64 bytes each (16 x 16 f32, or 16 x 32
 // bf16 = 16 pair rows of 16 columns): every tile the kernels use.
+//
+// Not through _tile_loadconfig: GCC 12's declares only the first 8 bytes of
+// the 64-byte operand as read (its asm operand is *(const void**)), so the
+// optimiser may drop the stores of `rows` and `colsb` as dead. A test
+// program built with -O2 did exactly that: every tile left unconfigured and
+// SIGILL at the first tile instruction. Here the whole struct is the operand.
 inline void ConfigureTiles() {
   TileConfig config;
   for (int i = 0; i < 8; ++i) {
     config.rows[i] = 16;
     config.colsb[i] = 64;
   }
-  _tile_loadconfig(&config);
+  asm volatile("ldtilecfg %0" : : "m"(config));
 }
 
 }  // namespace ringsplash::kernels::micro
