@@ -4,7 +4,8 @@
 // AmxTilesPermitted). The "amx" path is the avx512_bf16 table with GemmBf16
 // on AMX tiles: the bf16 forward's score products K Q^T and, with P rounded
 // to bf16 rows by its softmax step (SoftmaxBf16) and V packed as pairs
-// (PackPairsBf16), its P V; the bf16 backward's S^T = K Q^T and dP^T = V dO^T
+// (PackPairsBf16), its P V; the bf16 backward's S^T = K Q^T, dP^T = V dO^T
+// and, from P^T and dS^T rounded to bf16 (GradOperandsBf16), dV, dK and dQ
 // (flash_backward.cc). Everything else stays on the AVX-512 kernels.
 //
 // TDPBF16PS multiplies a 16 x 32 bf16 tile A (16 rows, 16 pairs) by a 16 x 16
