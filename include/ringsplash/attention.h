@@ -38,8 +38,9 @@ struct BlockSizes {
 // overrides kAuto (tests use the option directly). Forcing an unsupported path
 // is an Error. kAvx2 (AVX2 + FMA, 8-lane f32) is for CPUs without AVX-512;
 // kAmx is kAvx512Bf16 with bf16 products on AMX tiles (Intel Sapphire Rapids
-// and later): the forward's K Q^T and P V (P rounded to bf16), the
-// backward's K Q^T and V dO^T. Linux's tile permission is requested when
+// and later): the forward's K Q^T and P V (P rounded to bf16), all five of
+// the backward's products (P and dS rounded to bf16 for dV, dK and dQ; with
+// bf16 dout). Linux's tile permission is requested when
 // bf16 work first reaches them (a process-wide, lasting change: see
 // docs/PERFORMANCE.md); if refused, those products run on vdpbf16ps.
 enum class KernelPath { kAuto, kPortable, kAvx2, kAvx512, kAvx512Bf16, kAmx };

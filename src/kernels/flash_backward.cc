@@ -232,21 +232,22 @@ bool TileProducts(const FlashParams& p, const TensorView& dout, const micro::Mic
          mk.grad_operands_bf16 != nullptr && mk.gemm_bf16 != nullptr;
 }
 
+// Which products' operands a tile is for: the one-pass schedule uses all
+// three gradient products, its two-pass fallback dV and dK, then dQ.
+enum class Uses { kAll, kKv, kQ };
+
 // The kv tile's bf16 operands for tile products (once per kv tile and task):
-// K and V rows read from the bf16 inputs, K pairs from its f32 rows (exact).
-void KvToBf16(const Context& c, const KvTile& kvt, int64_t b, int64_t kh, int64_t kvb,
+// K and V rows read from the bf16 inputs, and K pairs from its f32 rows
+// (exact) when dQ is computed.
+void KvToBf16(const Context& c, const KvTile& kvt, int64_t b, int64_t kh, int64_t kvb, Uses uses,
               Workspace& ws) {
   if (!c.tile_products) return;
   const Geometry& g = c.g;
   const int64_t n = g.KvRows(kvb), r0 = kvb * g.bkv;
   PackRowsBf16(Slab{&c.p.k, b, kh, r0, n, g.d}, ws.k_bf16.data(), RoundUp(g.d, 2));
   PackRowsBf16(Slab{&c.p.v, b, kh, r0, n, g.dv}, ws.v_bf16.data(), RoundUp(g.dv, 2));
-  c.mk.pack_pairs_bf16(n, g.dp, kvt.k, kvt.ldk, ws.k_pairs.data(), g.ld_d);
+  if (uses != Uses::kKv) c.mk.pack_pairs_bf16(n, g.dp, kvt.k, kvt.ldk, ws.k_pairs.data(), g.ld_d);
 }
-
-// Which products' operands a tile is for: the one-pass schedule uses all
-// three gradient products, its two-pass fallback dV and dK, then dQ.
-enum class Uses { kAll, kKv, kQ };
 
 // P^T and dS^T of tile (b, h, qb, kvb) into ws.pt / ws.ds (with tile
 // products also as the bf16 operands `uses` needs); returns its kind
@@ -259,7 +260,7 @@ BlockKind TileProbs(const Context& c, const QTile& qs, const KvTile& kvt, BlockK
   const Geometry& g = c.g;
   const BlockKind kind = c.plan.Refine(map_kind, b, qb, kvb);
   if (kind == BlockKind::kEmpty) return kind;
-  if (convert_kv) KvToBf16(c, kvt, b, h / g.group, kvb, ws);
+  if (convert_kv) KvToBf16(c, kvt, b, h / g.group, kvb, uses, ws);
   const int64_t row = (b * g.h + h) * g.sq + qb * g.bq;
   micro::BackwardTileArgs a;
   micro::TileArgs& t = a.t;
@@ -376,7 +377,7 @@ void KvBlock(const Context& c, const TilePlan& cols, int64_t b, int64_t kh, int6
   std::memset(ws.dk.data(), 0, static_cast<size_t>(n * g.ld_d) * sizeof(float));
   std::memset(ws.dv.data(), 0, static_cast<size_t>(n * g.ld_dv) * sizeof(float));
   const KvTile kvt = ws.kv_cache.Get(c.kv, c.mk, b, kh, kvb);
-  KvToBf16(c, kvt, b, kh, kvb, ws);
+  KvToBf16(c, kvt, b, kh, kvb, uses, ws);
   int64_t computed = 0;
   for (int64_t h = kh * g.group; h < (kh + 1) * g.group; ++h) {
     for (const mask::BlockRun& run : cols.map().Runs(h, kvb)) {

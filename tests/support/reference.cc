@@ -120,6 +120,8 @@ RefBackward ReferenceBackward(const RefProblem& p, const std::vector<double>& do
   g.dq_terms.assign(p.q.size(), 0.0);
   g.dk_terms.assign(p.k.size(), 0.0);
   g.dv_terms.assign(p.v.size(), 0.0);
+  g.dq_ds_terms.assign(p.q.size(), 0.0);
+  g.dk_ds_terms.assign(p.k.size(), 0.0);
   if (!p.sinks.empty()) {
     g.dsinks.assign(static_cast<size_t>(p.h), 0.0);
     g.dsinks_terms.assign(static_cast<size_t>(p.h), 0.0);
@@ -149,6 +151,7 @@ RefBackward ReferenceBackward(const RefProblem& p, const std::vector<double>& do
         const double* q = &p.q[QIdx(p, b, i, h)];
         double* dq = &g.dq[QIdx(p, b, i, h)];
         double* dq_terms = &g.dq_terms[QIdx(p, b, i, h)];
+        double* dq_ds_terms = &g.dq_ds_terms[QIdx(p, b, i, h)];
         for (int64_t j = 0; j < p.skv; ++j) {
           if (!row.allowed[j]) continue;
           const double pij = std::exp(row.s[j] - lse);
@@ -169,11 +172,14 @@ RefBackward ReferenceBackward(const RefProblem& p, const std::vector<double>& do
           double* dk = &g.dk[KIdx(p, b, j, kvh)];
           double* dv = &g.dv[VIdx(p, b, j, kvh)];
           double* dk_terms = &g.dk_terms[KIdx(p, b, j, kvh)];
+          double* dk_ds_terms = &g.dk_ds_terms[KIdx(p, b, j, kvh)];
           for (int64_t d = 0; d < p.d; ++d) {
             dq[d] += scale * ds * k[d];
             dk[d] += scale * ds * q[d];
             dq_terms[d] += std::abs(scale * ds_abs * k[d]);
             dk_terms[d] += std::abs(scale * ds_abs * q[d]);
+            dq_ds_terms[d] += std::abs(scale * ds * k[d]);
+            dk_ds_terms[d] += std::abs(scale * ds * q[d]);
           }
           double* dv_terms = &g.dv_terms[VIdx(p, b, j, kvh)];
           for (int64_t e = 0; e < p.dv; ++e) {

@@ -52,6 +52,12 @@ struct RefBackward {
   // Products rounded to bf16 (the amx backward rounds P to bf16 for dV)
   // err by up to u times this, however much the signed terms cancel.
   std::vector<double> dv_terms;
+  // Same shapes as dq and dk: sum_j |scale ds_ij k_j| and sum_i |scale ds_ij
+  // q_i| with the exact ds (dq_terms, dk_terms bound ds's own rounding and
+  // are larger). Rounding dS to bf16 (the amx backward's dQ and dK) errs by
+  // up to u times these.
+  std::vector<double> dq_ds_terms;
+  std::vector<double> dk_ds_terms;
 };
 
 RefForward ReferenceForward(const RefProblem& p);
