@@ -176,6 +176,46 @@ TEST(MicroKernelTest, Bf16PairPackerForTilePvMatchesLoops) {
   if (paths == 0) GTEST_SKIP() << "no path packs V pairs for tile P V (needs AMX)";
 }
 
+// The amx forward's V pairs straight from bf16 rows: bits copied exactly,
+// columns past cols (any count, not only multiples of 16) zero up to the
+// next multiple of 16 even though the source holds other data there (the
+// next head's), zero k padding, canaries past every row. The source is
+// allocated to end exactly at the last row's last column, so a read past it
+// is a heap overflow for the sanitizer builds.
+TEST(MicroKernelTest, Bf16PairPackerFromBf16RowsMatchesLoops) {
+  int paths = 0;
+  for (KernelPath path : SupportedKernelPaths()) {
+    const kernels::micro::MicroKernels& mk = kernels::micro::MicroKernelsFor(path);
+    if (mk.pack_pairs_from_bf16 == nullptr) continue;
+    ++paths;
+    Rng rng(5);
+    std::uniform_int_distribution<int> bits(0, 0xffff);
+    constexpr uint16_t kCanary = 0xABCD;
+    for (int64_t rows : {1, 17, 32, 45, 128}) {
+      const int64_t padded = (rows + 31) / 32 * 32;
+      for (int64_t cols : {1, 16, 33, 80, 128}) {
+        const int64_t lds = cols + 7, cols16 = RoundUpTo16(cols);
+        std::vector<uint16_t> src(static_cast<size_t>((rows - 1) * lds + cols));
+        for (auto& x : src) x = static_cast<uint16_t>(bits(rng));
+        const int64_t ldd = cols16 + 16;
+        std::vector<uint16_t> pairs(static_cast<size_t>((padded / 2 + 1) * ldd * 2), kCanary);
+        mk.pack_pairs_from_bf16(rows, cols, src.data(), lds, pairs.data(), ldd);
+        for (int64_t p = 0; p < padded + 2; ++p) {
+          for (int64_t c = 0; c < ldd; ++c) {
+            const uint16_t got = pairs[static_cast<size_t>(((p / 2) * ldd + c) * 2 + p % 2)];
+            const uint16_t want = p >= padded || c >= cols16 ? kCanary
+                                  : p < rows && c < cols     ? src[static_cast<size_t>(p * lds + c)]
+                                                             : uint16_t{0};
+            ASSERT_EQ(got, want) << KernelPathName(path) << " rows=" << rows << " cols=" << cols
+                                 << " p=" << p << " c=" << c;
+          }
+        }
+      }
+    }
+  }
+  if (paths == 0) GTEST_SKIP() << "no path packs V pairs from bf16 rows (needs AMX)";
+}
+
 // The amx backward's bf16 gradient operands against plain loops: P^T and
 // dS^T rounded to nearest even as F32ToBF16 does, lanes from `queries` to the
 // vector's end zero even where the input holds garbage there (BackwardTileFn
@@ -202,19 +242,20 @@ TEST(MicroKernelTest, Bf16GradientOperandsMatchLoops) {
         }
         for (int variant = 0; variant < 3; ++variant) {  // both, rows only, cols only
           const bool rows = variant != 2, cols = variant != 1;
-          std::vector<uint16_t> pt_rows(static_cast<size_t>(keys * ldr), kCanary);
+          // Two canary rows past each output's last.
+          std::vector<uint16_t> pt_rows(static_cast<size_t>((keys + 2) * ldr), kCanary);
           std::vector<uint16_t> ds_rows(pt_rows),
-              ds_cols(static_cast<size_t>(queries * ldc), kCanary);
+              ds_cols(static_cast<size_t>((queries + 2) * ldc), kCanary);
           mk.grad_operands_bf16(keys, queries, pt.data(), ds.data(), ldp,
                                 rows ? pt_rows.data() : nullptr, rows ? ds_rows.data() : nullptr,
                                 ldr, cols ? ds_cols.data() : nullptr, ldc);
           const std::string what =
               std::string(KernelPathName(path)) + " keys=" + std::to_string(keys) +
               " queries=" + std::to_string(queries) + " variant=" + std::to_string(variant);
-          for (int64_t j = 0; j < keys; ++j) {
+          for (int64_t j = 0; j < keys + 2; ++j) {
             for (int64_t i = 0; i < ldr; ++i) {
               const size_t at = static_cast<size_t>(j * ldr + i);
-              const bool live = rows && i < mp;
+              const bool live = rows && j < keys && i < mp;
               const uint16_t want_p = !live         ? kCanary
                                       : i < queries ? F32ToBF16(pt[j * ldp + i])
                                                     : uint16_t{0};
@@ -225,11 +266,11 @@ TEST(MicroKernelTest, Bf16GradientOperandsMatchLoops) {
               ASSERT_EQ(ds_rows[at], want_s) << what << " ds_rows j=" << j << " i=" << i;
             }
           }
-          for (int64_t i = 0; i < queries; ++i) {
+          for (int64_t i = 0; i < queries + 2; ++i) {
             for (int64_t j = 0; j < ldc; ++j) {
-              const uint16_t want = !cols || j >= kp ? kCanary
-                                    : j < keys       ? F32ToBF16(ds[j * ldp + i])
-                                                     : uint16_t{0};
+              const uint16_t want = !cols || i >= queries || j >= kp ? kCanary
+                                    : j < keys                       ? F32ToBF16(ds[j * ldp + i])
+                                                                     : uint16_t{0};
               ASSERT_EQ(ds_cols[static_cast<size_t>(i * ldc + j)], want)
                   << what << " ds_cols i=" << i << " j=" << j;
             }

@@ -171,8 +171,8 @@ KvRows::KvRows(const FlashParams& p, const Geometry& g, KeyFormat keys, double u
   // for a copy per call, unless both can be read in place as they are.
   const bool in_place_as_is =
       keys == KeyFormat::kF32 && k_rows_dense && v_whole_vectors && v_like_packed;
-  if (tile_cache && keys != KeyFormat::kBf16 && k_f32 && v_f32 && uses < kPackMinUses &&
-      !in_place_as_is) {
+  const bool bf16_keys = keys == KeyFormat::kBf16 || keys == KeyFormat::kBf16Tiles;
+  if (tile_cache && !bf16_keys && k_f32 && v_f32 && uses < kPackMinUses && !in_place_as_is) {
     tile_cache_ = true;  // K and V below are then the copies' sources
     k_in_place_ = static_cast<const float*>(k.data);
     ldk_ = k.stride[1];
@@ -195,11 +195,20 @@ KvRows::KvRows(const FlashParams& p, const Geometry& g, KeyFormat keys, double u
     v_in_place_ = static_cast<const float*>(v.data);
     ldv_ = v.stride[1];
   }
-  const int64_t tiles = g.b * g.hkv * g.nkvb;
   const int64_t d2 = micro::RoundUp(g.d, 2);
-  const bool pack_k = k_in_place_ == nullptr, pack_v = v_in_place_ == nullptr;
+  ldk_bf16_ = d2;
+  if (keys == KeyFormat::kBf16Tiles) {
+    values_from_tensor_ = true;
+    if (k.dtype == DType::kBF16 && k.stride[3] == 1 && k.stride[1] % 2 == 0 && g.d % 2 == 0) {
+      k_bf16_in_place_ = static_cast<const uint16_t*>(k.data);
+      ldk_bf16_ = k.stride[1];
+    }
+  }
+  const int64_t tiles = g.b * g.hkv * g.nkvb;
+  const bool pack_k = k_in_place_ == nullptr && k_bf16_in_place_ == nullptr;
+  const bool pack_v = v_in_place_ == nullptr && !values_from_tensor_;
   if (pack_k) {
-    if (keys == KeyFormat::kBf16) {
+    if (bf16_keys) {
       k_elems_ = g.bkv * d2;
       k_bf16_.Resize(static_cast<size_t>(tiles * k_elems_), /*zero=*/false);
     } else {
@@ -216,7 +225,7 @@ KvRows::KvRows(const FlashParams& p, const Geometry& g, KeyFormat keys, double u
   if (!pack_k && !pack_v) return;
   // f32 rows of unit stride: the checking copy when asked (same result as
   // PackRowsF32 with nr_pad = n: rows copied, columns zero padded to ld).
-  k_checked_ = checked_copy != nullptr && pack_k && keys != KeyFormat::kBf16 && k_f32;
+  k_checked_ = checked_copy != nullptr && pack_k && !bf16_keys && k_f32;
   v_checked_ = checked_copy != nullptr && pack_v && v_f32;
   if (k_checked_ || v_checked_) packed_bad_.assign(static_cast<size_t>(tiles), 0);
   pool.ParallelFor(tiles, [&](int64_t t, int) {
@@ -233,7 +242,7 @@ KvRows::KvRows(const FlashParams& p, const Geometry& g, KeyFormat keys, double u
         PackRowsF32(Slab{&src, b, kh, kvb * g.bkv, n, cols}, dst, ld, n);
       }
     };
-    if (pack_k && keys == KeyFormat::kBf16) {
+    if (pack_k && bf16_keys) {
       PackRowsBf16(Slab{&k, b, kh, kvb * g.bkv, n, g.d}, k_bf16_.data() + t * k_elems_, d2);
     } else if (pack_k) {
       pack_f32(k, k_checked_, g.d, k_packed_.data() + t * k_elems_, g.ld_d);
@@ -258,10 +267,14 @@ const float* KvRows::Keys(int64_t b, int64_t kh, int64_t kvb) const {
 }
 
 const uint16_t* KvRows::KeysBf16(int64_t b, int64_t kh, int64_t kvb) const {
+  if (k_bf16_in_place_ != nullptr) {
+    return k_bf16_in_place_ + b * k_stride_[0] + kvb * g_.bkv * k_stride_[1] + kh * k_stride_[2];
+  }
   return k_bf16_.data() + Tile(b, kh, kvb) * k_elems_;
 }
 
 const float* KvRows::Values(int64_t b, int64_t kh, int64_t kvb) const {
+  if (values_from_tensor_) return nullptr;
   if (v_in_place_ != nullptr) {
     return v_in_place_ + b * v_stride_[0] + kvb * g_.bkv * v_stride_[1] + kh * v_stride_[2];
   }

@@ -122,21 +122,28 @@ class TileMask {
 // With `checked_copy`, f32 rows of unit inner stride packed per call are
 // copied by its copy_rows_f32, which also notes whether a tile's rows hold a
 // NaN or an infinity: NonFinite then needs no second read of those rows.
+// kBf16Tiles (the amx forward, bf16 K and V with unit inner stride): keys as
+// for kBf16, but read in place where their row stride is even (the tile
+// GEMM's A operand takes any even leading dimension: ldk_bf16()), and V is
+// never packed or copied — the caller packs its P V pairs from the tensor
+// (Values() is then null).
 class KvRows {
  public:
-  enum class KeyFormat { kF32, kF32Padded, kBf16 };  // kF32Padded: rows of ld_d, zero padded
+  // kF32Padded: rows of ld_d, zero padded.
+  enum class KeyFormat { kF32, kF32Padded, kBf16, kBf16Tiles };
   static constexpr double kPackMinUses = 8.0;
   KvRows(const FlashParams& p, const Geometry& g, KeyFormat keys, double uses, ThreadPool& pool,
          bool tile_cache = false, const micro::MicroKernels* checked_copy = nullptr);
   const float* Keys(int64_t b, int64_t kh, int64_t kvb) const;
   int64_t ldk() const { return ldk_; }
-  const uint16_t* KeysBf16(int64_t b, int64_t kh, int64_t kvb) const;  // ld RoundUp(D, 2)
+  const uint16_t* KeysBf16(int64_t b, int64_t kh, int64_t kvb) const;  // ld ldk_bf16()
+  int64_t ldk_bf16() const { return ldk_bf16_; }
   const float* Values(int64_t b, int64_t kh, int64_t kvb) const;
   int64_t ldv() const { return ldv_; }
   bool keys_in_place() const { return k_in_place_ != nullptr; }
   bool values_in_place() const { return v_in_place_ != nullptr; }
   bool tile_cache() const { return tile_cache_; }
-  bool f32_keys() const { return keys_ != KeyFormat::kBf16; }  // else KeysBf16 only
+  bool f32_keys() const { return keys_ == KeyFormat::kF32 || keys_ == KeyFormat::kF32Padded; }
   // Whether the K or V rows of tile (b, kh, kvb) of p (the call's params)
   // hold a NaN or an infinity: what the checking copy noted for rows it
   // packed, a check in place for the others.
@@ -155,8 +162,10 @@ class KvRows {
   std::vector<uint8_t> packed_bad_;  // per tile, when k_checked_ || v_checked_
   const float* k_in_place_ = nullptr;
   const float* v_in_place_ = nullptr;
+  const uint16_t* k_bf16_in_place_ = nullptr;
+  bool values_from_tensor_ = false;                            // kBf16Tiles
   int64_t k_stride_[3] = {0, 0, 0}, v_stride_[3] = {0, 0, 0};  // b, s, head
-  int64_t ldk_ = 0, ldv_ = 0, k_elems_ = 0, v_elems_ = 0;
+  int64_t ldk_ = 0, ldv_ = 0, ldk_bf16_ = 0, k_elems_ = 0, v_elems_ = 0;
   AlignedBuffer<float> k_packed_, v_packed_;
   AlignedBuffer<uint16_t> k_bf16_;
 };

@@ -72,7 +72,18 @@ struct BlockState {
 // bf16 tolerance the tests allow), V (bf16 already, so exact) packed as pairs
 // once per fetched kv tile. P V is then ~6x faster than in f32.
 bool UseBf16Pv(const FlashParams& p, const micro::MicroKernels& mk) {
-  return UseBf16Scores(p, mk) && mk.pack_pairs_bf16 != nullptr;
+  return UseBf16Scores(p, mk) && mk.pack_pairs_bf16 != nullptr &&
+         mk.pack_pairs_from_bf16 != nullptr;
+}
+
+// How the call reads K and V (KvRows): on the amx path with bf16 K and V
+// of unit inner stride, K in place for the tile GEMMs and V pairs packed
+// straight from the tensor (no per-call copies: at S = 32768 they were
+// ~40 % of a sliding-window forward's samples, page faults included).
+KvRows::KeyFormat KeyFormatFor(const FlashParams& p, bool bf16, bool bf16_pv) {
+  if (!bf16) return KvRows::KeyFormat::kF32;
+  const bool tensor_pairs = bf16_pv && p.v.dtype == DType::kBF16 && p.v.stride[3] == 1;
+  return tensor_pairs ? KvRows::KeyFormat::kBf16Tiles : KvRows::KeyFormat::kBf16;
 }
 
 // Keys of a kv tile as the bf16 P V sees them: whole 16-pair AMX k steps.
@@ -181,8 +192,8 @@ class ForwardCall {
         bf16_(UseBf16Scores(p, mk_)),
         bf16_pv_(UseBf16Pv(p, mk_)),
         plan_(p, g, /*by_column=*/false),
-        kv_(p, g, bf16_ ? KvRows::KeyFormat::kBf16 : KvRows::KeyFormat::kF32, plan_.UsesPerKvTile(),
-            pool, /*tile_cache=*/true, p.non_finite != nullptr ? &mk_ : nullptr),
+        kv_(p, g, KeyFormatFor(p, bf16_, bf16_pv_), plan_.UsesPerKvTile(), pool,
+            /*tile_cache=*/true, p.non_finite != nullptr ? &mk_ : nullptr),
         check_(p.non_finite != nullptr),
         kv_checked_(check_ ? static_cast<size_t>(g.b * g.hkv * g.nkvb) : 0),
         merge_(merge),
@@ -253,10 +264,7 @@ class ForwardCall {
         if (!fetched) {  // once per group: check, copy or locate the tile
           fetched = true;
           kvt = Fetch(ws, b, kh, kvb);
-          if (bf16_pv_) {
-            mk_.pack_pairs_bf16(g_.KvRows(kvb), g_.dvp, kvt.v, kvt.ldv, ws.v_pairs.data(),
-                                g_.ld_dv);
-          }
+          if (bf16_pv_) PackValuePairs(ws, kvt, b, kh, kvb);
         }
         Tile(ws, b, h, qb, kvb, run.kind, kind, kvt, ws.blocks[i], w);
         (kind == BlockKind::kFull ? st.full : st.partial) += 1;
@@ -328,6 +336,18 @@ class ForwardCall {
     return kvt;
   }
 
+  // V of the fetched tile as bf16 pairs for the tile P V: from the bf16
+  // tensor itself (KeyFormat::kBf16Tiles), else from the tile's f32 rows.
+  void PackValuePairs(Workspace& ws, const KvTile& kvt, int64_t b, int64_t kh, int64_t kvb) {
+    const int64_t n = g_.KvRows(kvb);
+    if (kvt.v == nullptr) {
+      const auto* v = static_cast<const uint16_t*>(p_.v.data) + p_.v.Offset(b, kvb * g_.bkv, kh, 0);
+      mk_.pack_pairs_from_bf16(n, g_.dv, v, p_.v.stride[1], ws.v_pairs.data(), g_.ld_dv);
+    } else {
+      mk_.pack_pairs_bf16(n, g_.dvp, kvt.v, kvt.ldv, ws.v_pairs.data(), g_.ld_dv);
+    }
+  }
+
   // One online-softmax step of q block qb over kv tile kvb (refined kind
   // `kind`, partial or full): P^T from the fused score kernel, then
   // acc = diag(alpha) acc + P V (the first tile initialises acc).
@@ -346,8 +366,8 @@ class ForwardCall {
     }
     if (bf16_) {
       const int64_t d2 = RoundUp(g_.d, 2);
-      mk_.gemm_bf16(n, RoundUp(m, micro::kVec), d2 / 2, kv_.KeysBf16(b, h / g_.group, kvb), d2,
-                    s.qt_bf16.data(), g_.ld_q, t.pt, t.ldp, nullptr, false);
+      mk_.gemm_bf16(n, RoundUp(m, micro::kVec), d2 / 2, kv_.KeysBf16(b, h / g_.group, kvb),
+                    kv_.ldk_bf16(), s.qt_bf16.data(), g_.ld_q, t.pt, t.ldp, nullptr, false);
       if (bf16_pv_) {  // P straight to bf16 rows for the tile P V
         mk_.softmax_bf16(t, s.row_max.data(), s.row_sum.data(), s.alpha.data(), ws.p_bf16.data(),
                          PvKeys(g_));

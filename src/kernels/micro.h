@@ -61,12 +61,20 @@ using GemmBf16Fn = void (*)(int64_t m, int64_t n, int64_t k2, const uint16_t* a,
                             const float* row_scale, bool accumulate);
 
 // B operands of the amx path's tile GEMMs (micro_amx.cc; the forward's V,
-// the backward's Q^T, dO^T, Q, dO and K): f32 rows as bf16 pairs, rounded to nearest
-// even,
+// the backward's Q^T, dO^T, Q, dO and K): f32 rows as bf16 pairs, rounded
+// to nearest even,
 //   dst[((r / 2) * ldd + c) * 2 + r % 2] = bf16(src[r * lds + c]), zero rows
 //   from `rows` to RoundUp(rows, 32) (whole 16-pair k steps); cols % 16 == 0.
 using PackPairsBf16Fn = void (*)(int64_t rows, int64_t cols, const float* src, int64_t lds,
                                  uint16_t* dst, int64_t ldd);
+
+// The same pairs straight from bf16 rows (the amx forward's V, read from the
+// caller's tensor: no rounding, no f32 copy). Any cols: columns from cols
+// to RoundUp(cols, 16) are written as zeros and src is read only at r <
+// rows, c < cols (the row may end where another head's begins, or the
+// tensor does).
+using PackPairsFromBf16Fn = void (*)(int64_t rows, int64_t cols, const uint16_t* src, int64_t lds,
+                                     uint16_t* dst, int64_t ldd);
 
 // dst[c * ldd + r] = src[r * lds + c] for r < rows, c < cols, and 0 for
 // rows <= r < ldd (ldd >= RoundUp(rows, kVec)): packs a Q (or dO) block of
@@ -197,6 +205,7 @@ struct MicroKernels {
   // backward's Q^T, dO^T, Q, dO and K), the forward's step writing P as bf16
   // rows and the backward's bf16 P^T, dS^T and dS.
   PackPairsBf16Fn pack_pairs_bf16 = nullptr;
+  PackPairsFromBf16Fn pack_pairs_from_bf16 = nullptr;
   SoftmaxBf16Fn softmax_bf16 = nullptr;
   GradOperandsBf16Fn grad_operands_bf16 = nullptr;
   TransposeF32Fn transpose_f32 = nullptr;

@@ -86,6 +86,11 @@ void TileBlock(int64_t k2, const uint16_t* a, int64_t lda, const uint16_t* b, in
 // row blocks stream A.
 void TileProducts(int64_t m, int64_t n, int64_t k2, const uint16_t* a, int64_t lda,
                   const uint16_t* b, int64_t ldb, float* c, int64_t ldc, bool accumulate) {
+  // GCC 12's tile load and store intrinsics are asm without a "memory"
+  // clobber, so nothing stops the compiler from moving them across
+  // ordinary loads and stores of A, B and C once this is inlined somewhere:
+  // compiler barriers on both sides keep them inside.
+  asm volatile("" ::: "memory");
   ConfigureTiles();
   for (int64_t j = 0; j < n; j += 2 * kTile) {
     const bool two_cols = j + 2 * kTile <= n;
@@ -108,6 +113,7 @@ void TileProducts(int64_t m, int64_t n, int64_t k2, const uint16_t* a, int64_t l
   // Back to the initial tile state, so the thread's context switches save
   // no tile data and other AMX users in the process start from a clean slate.
   _tile_release();
+  asm volatile("" ::: "memory");
 }
 
 // GemmBf16Fn on AMX where whole tiles fit, the vdpbf16ps kernel for the rest
@@ -133,13 +139,16 @@ void GemmBf16Amx(int64_t m, int64_t n, int64_t k2, const uint16_t* a, int64_t ld
   }
 }
 
+// Element order that turns [16 of row 2t | 16 of row 2t + 1] into their
+// pairs.
+alignas(64) constexpr uint16_t kInterleave[32] = {0,  16, 1,  17, 2,  18, 3,  19, 4,  20, 5,
+                                                  21, 6,  22, 7,  23, 8,  24, 9,  25, 10, 26,
+                                                  11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+
 // Pairs of rows (2t, 2t + 1), 16 columns at a time: both rounded to bf16 into
 // one vector [row 2t | row 2t + 1], then interleaved element by element.
 void PackPairsBf16(int64_t rows, int64_t cols, const float* src, int64_t lds, uint16_t* dst,
                    int64_t ldd) {
-  alignas(64) static constexpr uint16_t kInterleave[32] = {
-      0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
-      8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
   const __m512i order = _mm512_load_si512(kInterleave);
   const int64_t padded = RoundUp(rows, 32);
   for (int64_t r = 0; r < padded; r += 2) {
@@ -149,6 +158,26 @@ void PackPairsBf16(int64_t rows, int64_t cols, const float* src, int64_t lds, ui
       const __m512 odd =
           r + 1 < rows ? _mm512_loadu_ps(src + (r + 1) * lds + c) : _mm512_setzero_ps();
       const __m512i both = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(odd, even));
+      _mm512_storeu_si512(out + 2 * c, _mm512_permutexvar_epi16(order, both));
+    }
+  }
+}
+
+// PackPairsFromBf16Fn: PackPairsBf16 on bf16 rows, the column tail loaded
+// under a mask.
+void PackPairsFromBf16(int64_t rows, int64_t cols, const uint16_t* src, int64_t lds, uint16_t* dst,
+                       int64_t ldd) {
+  const __m512i order = _mm512_load_si512(kInterleave);
+  const int64_t padded = RoundUp(rows, 32), cols16 = RoundUp(cols, 16);
+  for (int64_t r = 0; r < padded; r += 2) {
+    uint16_t* out = dst + (r / 2) * ldd * 2;
+    for (int64_t c = 0; c < cols16; c += 16) {
+      const __mmask16 in = avx512::LaneMask(cols - c);
+      const __m256i even =
+          r < rows ? _mm256_maskz_loadu_epi16(in, src + r * lds + c) : _mm256_setzero_si256();
+      const __m256i odd = r + 1 < rows ? _mm256_maskz_loadu_epi16(in, src + (r + 1) * lds + c)
+                                       : _mm256_setzero_si256();
+      const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(even), odd, 1);
       _mm512_storeu_si512(out + 2 * c, _mm512_permutexvar_epi16(order, both));
     }
   }
@@ -301,6 +330,7 @@ const MicroKernels& AmxMicroKernels() {
     t.name = "amx";
     t.gemm_bf16 = GemmBf16Amx;
     t.pack_pairs_bf16 = PackPairsBf16;
+    t.pack_pairs_from_bf16 = PackPairsFromBf16;
     t.softmax_bf16 = SoftmaxBf16;
     t.grad_operands_bf16 = GradOperandsBf16;
     return t;
