@@ -594,6 +594,47 @@ TEST(FlashTest, StridedBhsdViewsAndF16Inputs) {
   }
 }
 
+// FlashForwardBf16Out (the API's bf16 out without an f32 copy): its rows
+// equal FlashForward's f32 rows rounded to bf16, bit for bit, with the same
+// lse, on every path, for f32 and bf16 inputs, ragged shapes and rows
+// without keys; it writes nothing past out. A finite value beyond bf16's
+// range (reachable only from f32 inputs: bf16 v bounds out) is reported,
+// not stored as an infinity.
+TEST(FlashTest, Bf16OutEqualsRoundedF32OutAndReportsOverflow) {
+  for (KernelPath path : SupportedKernelPaths()) {
+    for (DType dtype : {DType::kF32, DType::kBF16}) {
+      ProblemSpec spec(2, 37, 53, 4, 2, 32, 24);
+      spec.dtype = dtype;
+      Problem prob(600, spec);
+      RunConfig s;
+      s.path = path;
+      s.mask = Mask::Causal(-5);  // the first five rows see no key
+      const FlashParams p = prob.Params(s);
+      ThreadPool pool(2);
+      const auto n = static_cast<size_t>(spec.b * spec.sq * spec.h * spec.dv);
+      const auto rows = static_cast<size_t>(spec.b * spec.h * spec.sq);
+      std::vector<float> out(n), lse(rows), lse_bf(rows);
+      kernels::FlashForward(p, pool, out.data(), lse.data(), nullptr);
+      constexpr uint16_t kCanary = 0xABCD;
+      std::vector<uint16_t> bf(n + 16, kCanary);
+      ASSERT_TRUE(kernels::FlashForwardBf16Out(p, pool, bf.data(), lse_bf.data(), nullptr));
+      const std::string what = std::string(KernelPathName(path)) + " " + DTypeName(dtype);
+      for (size_t i = 0; i < n; ++i) ASSERT_EQ(bf[i], F32ToBF16(out[i])) << what << " " << i;
+      for (size_t i = n; i < bf.size(); ++i) ASSERT_EQ(bf[i], kCanary) << what << " past out";
+      EXPECT_EQ(std::memcmp(lse.data(), lse_bf.data(), rows * sizeof(float)), 0) << what;
+    }
+  }
+  ProblemSpec spec(1, 4, 1, 1, 1, 16, 16);  // one key: out = v exactly
+  Problem prob(601, spec);
+  StoreFromF32(prob.owned().v.view(), 5, 3.4e38f);  // finite in f32, beyond bf16
+  prob.Refresh();
+  ThreadPool pool(1);
+  std::vector<uint16_t> bf(16 * 4);
+  std::vector<float> lse(4);
+  EXPECT_FALSE(
+      kernels::FlashForwardBf16Out(prob.Params(RunConfig{}), pool, bf.data(), lse.data(), nullptr));
+}
+
 TEST(FlashTest, ShiftedGlobalPositionsAndEmptyKv) {
   // A ring step: q holds global rows 64..95, kv rows 0..47 under a causal
   // mask with a window, so some q rows see nothing.

@@ -24,6 +24,7 @@
 #include <memory>
 #include <mutex>
 #include <numeric>
+#include <optional>
 #include <vector>
 
 #include "ringsplash/error.h"
@@ -224,7 +225,14 @@ void AttentionForward(const AttentionInputs& in, const AttentionOptions& opt, Te
   Prepared pr;
   Prepare(in, opt, dims, pr);
   PoolLease lease(opt.num_threads);
-  F32Buffer out32(out, {dims.b, dims.sq, dims.h, dims.dv}, /*zero=*/false, "out");
+  const std::vector<int64_t> out_shape = {dims.b, dims.sq, dims.h, dims.dv};
+  // A bf16 contiguous out without sinks (which rescale finished rows) is
+  // written by the kernel directly: no f32 copy of out (twice its bytes).
+  // The f32 scratch then exists only if the call has to be redone.
+  const bool direct_bf16 =
+      out.dtype == DType::kBF16 && out.is_contiguous() && pr.sinks.empty() && out.numel() > 0;
+  std::optional<F32Buffer> out32;
+  if (!direct_bf16) out32.emplace(out, out_shape, /*zero=*/false, "out");
   F32Buffer lse32(lse, {dims.b, dims.h, dims.sq}, /*zero=*/false, "lse");
   KernelStats local;
 
@@ -232,29 +240,40 @@ void AttentionForward(const AttentionInputs& in, const AttentionOptions& opt, Te
   // the kernel checks the rows it reads as it computes
   // (FlashParams::non_finite) — no separate pass over the inputs. Only if it
   // met a NaN/Inf is the call redone the exact way: scan, compute on cleaned
-  // copies, poison the dependent rows.
+  // copies, poison the dependent rows — in f32 scratch, also when a direct
+  // bf16 result overflowed (for CopyConvert's error message).
   std::atomic<bool> met_non_finite{false};
   pr.params.non_finite = &met_non_finite;
-  kernels::FlashForward(pr.params, lease.pool(), out32.get(), lse32.get(), &local);
+  bool redo = false;
+  if (direct_bf16) {
+    redo = !kernels::FlashForwardBf16Out(pr.params, lease.pool(), static_cast<uint16_t*>(out.data),
+                                         lse32.get(), &local);
+  } else {
+    kernels::FlashForward(pr.params, lease.pool(), out32->get(), lse32.get(), &local);
+  }
   pr.params.non_finite = nullptr;
   kernels::InputScan scan;
   CleanInputs clean;
   if (met_non_finite.load()) {
     scan = kernels::ScanInputs(in.q, in.k, in.v, pr.sinks, &lease.pool());
     if (scan.any()) clean.Apply(scan, pr);
+    redo = true;
+  }
+  if (redo) {
+    if (!out32) out32.emplace(out, out_shape, /*zero=*/false, "out");
     local = KernelStats();
-    kernels::FlashForward(pr.params, lease.pool(), out32.get(), lse32.get(), &local);
+    kernels::FlashForward(pr.params, lease.pool(), out32->get(), lse32.get(), &local);
   }
   if (!pr.sinks.empty()) {
-    kernels::ApplySinks(RowShapeOf(dims), out32.get(), lse32.get(), pr.sinks.data());
+    kernels::ApplySinks(RowShapeOf(dims), out32->get(), lse32.get(), pr.sinks.data());
   }
   if (scan.any()) {
     std::vector<char> lse_p, out_p;
     ForwardPoison(in, opt, pr, scan, lse_p, out_p);
-    kernels::FillQueryRows(out32.get(), dims, dims.dv, out_p.data());
+    kernels::FillQueryRows(out32->get(), dims, dims.dv, out_p.data());
     kernels::FillRows(lse32.get(), static_cast<int64_t>(lse_p.size()), 1, lse_p.data());
   }
-  out32.Finish();
+  if (out32) out32->Finish();
   lse32.Finish();
   if (stats != nullptr) *stats = local;
 }

@@ -50,6 +50,15 @@ struct FlashParams {
 void FlashForward(const FlashParams& p, ThreadPool& pool, float* out, float* lse,
                   KernelStats* stats);
 
+// FlashForward with out written as bf16 (rounded to nearest even) straight
+// into out_bf16 [B, Sq, H, Dv] contiguous: no f32 copy of out, twice out's
+// bytes, for callers that want bf16 anyway. Returns false if a finite result
+// rounded to a bf16 infinity (|out| beyond bf16's range, only possible when
+// |v| reaches it); out_bf16 is then incomplete and the caller redoes the
+// call in f32 (for its error message).
+bool FlashForwardBf16Out(const FlashParams& p, ThreadPool& pool, uint16_t* out_bf16, float* lse,
+                         KernelStats* stats);
+
 // Backward contribution of this (q, k/v) pair, ACCUMULATED (+=) into f32
 // contiguous buffers, so the ring can add step after step:
 //   dq_acc [B, Sq, H, D], dk_acc [B, Skv, Hkv, D], dv_acc [B, Skv, Hkv, Dv]

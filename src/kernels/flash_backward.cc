@@ -47,14 +47,14 @@ using micro::RoundUp;
 // pointers null) as bf16 pairs (micro.h PackPairsBf16Fn): Q^T and dO^T
 // paired over d (ld ld_q), Q and dO paired over queries (ld ld_d, ld_dv).
 struct QTile {
-  const float* qt;
-  const float* dot;
-  const float* q;
-  const float* dout;
-  const uint16_t* qt_pairs;
-  const uint16_t* dot_pairs;
-  const uint16_t* q_pairs;
-  const uint16_t* do_pairs;
+  const float* qt = nullptr;
+  const float* dot = nullptr;
+  const float* q = nullptr;
+  const float* dout = nullptr;
+  const uint16_t* qt_pairs = nullptr;
+  const uint16_t* dot_pairs = nullptr;
+  const uint16_t* q_pairs = nullptr;
+  const uint16_t* do_pairs = nullptr;
 };
 
 // Where the q-side tiles come from: packed once per call, or — when every kv
@@ -121,21 +121,17 @@ class QSide {
       base = all_.data() + t * elems_;
     }
     if (qt_pair_elems_ == 0) {
-      return {base,
-              base + qt_elems_,
-              base + qt_elems_ + dot_elems_,
-              base + qt_elems_ + dot_elems_ + q_elems_,
-              nullptr,
-              nullptr,
-              nullptr,
-              nullptr};
+      return {.qt = base,
+              .dot = base + qt_elems_,
+              .q = base + qt_elems_ + dot_elems_,
+              .dout = base + qt_elems_ + dot_elems_ + q_elems_};
     }
     auto pairs = [&](int64_t offset) { return reinterpret_cast<const uint16_t*>(base + offset); };
     const int64_t q_at = qt_pair_elems_ + dot_pair_elems_;
-    return {nullptr,     nullptr,
-            nullptr,     nullptr,
-            pairs(0),    pairs(qt_pair_elems_),
-            pairs(q_at), pairs(q_at + q_pair_elems_)};
+    return {.qt_pairs = pairs(0),
+            .dot_pairs = pairs(qt_pair_elems_),
+            .q_pairs = pairs(q_at),
+            .do_pairs = pairs(q_at + q_pair_elems_)};
   }
 
  private:

@@ -153,12 +153,45 @@ void StreamFence() {
 // out = acc / l and lse = m + log(l) for the task's rows (0 and -inf for a
 // row without keys); with `merge`, that partial result is merged into the
 // rows' existing (out, lse) by MergePartial, one row at a time.
+// Where FinishRows writes out rows: f32 (`f32`, merged into when merging),
+// or, not merging, bf16 (`bf16`, f32 null); `overflow` is set if a finite
+// value rounded to a bf16 infinity.
+struct OutRows {
+  float* f32 = nullptr;
+  uint16_t* bf16 = nullptr;
+  std::atomic<bool>* overflow = nullptr;
+};
+
+// Row i (dv values, already scaled, in a) as bf16 into dst.
+void StoreRowBf16(const float* a, int64_t dv, uint16_t* dst, std::atomic<bool>* overflow) {
+  bool over = false;
+  for (int64_t e = 0; e < dv; ++e) {
+    dst[e] = F32ToBF16(a[e]);
+    over |= std::isfinite(a[e]) && (dst[e] & 0x7fffu) == 0x7f80u;
+  }
+  if (over) overflow->store(true, std::memory_order_relaxed);
+}
+
 void FinishRows(const Geometry& g, int64_t b, int64_t h, int64_t qb, int64_t m, BlockState& ws,
-                bool merge, bool stream, float* out, float* lse) {
+                bool merge, bool stream, const OutRows& out, float* lse) {
   for (int64_t i = 0; i < m; ++i) {
     const int64_t row = qb * g.bq + i;
-    float* o = out + ((b * g.sq + row) * g.h + h) * g.dv;
+    const int64_t at = ((b * g.sq + row) * g.h + h) * g.dv;
     float* l_out = lse + (b * g.h + h) * g.sq + row;
+    if (out.bf16 != nullptr) {  // scaled in place, then rounded
+      float* a = ws.acc.data() + i * g.ld_dv;
+      const float l = ws.row_sum[i];
+      if (l > 0.0f) {
+        ScaleRow(a, a, g.dv, 1.0f / l, false);
+        *l_out = ws.row_max[i] + std::log(l);
+      } else {
+        std::memset(a, 0, static_cast<size_t>(g.dv) * sizeof(float));
+        *l_out = kNegInf;
+      }
+      StoreRowBf16(a, g.dv, out.bf16 + at, out.overflow);
+      continue;
+    }
+    float* o = out.f32 + at;
     // The row's partial result; in place of its accumulator when merging.
     float* part = merge ? ws.acc.data() + i * g.ld_dv : o;
     float part_lse = kNegInf;
@@ -184,8 +217,8 @@ void FinishRows(const Geometry& g, int64_t b, int64_t h, int64_t qb, int64_t m, 
 // counters).
 class ForwardCall {
  public:
-  ForwardCall(const FlashParams& p, const Geometry& g, ThreadPool& pool, bool merge, float* out,
-              float* lse)
+  ForwardCall(const FlashParams& p, const Geometry& g, ThreadPool& pool, bool merge,
+              const OutRows& out, float* lse)
       : p_(p),
         g_(g),
         mk_(micro::MicroKernelsFor(p.path)),
@@ -197,7 +230,7 @@ class ForwardCall {
         check_(p.non_finite != nullptr),
         kv_checked_(check_ ? static_cast<size_t>(g.b * g.hkv * g.nkvb) : 0),
         merge_(merge),
-        stream_(!merge && g.b * g.sq * g.h * g.dv >= kStreamMinFloats),
+        stream_(!merge && out.f32 != nullptr && g.b * g.sq * g.h * g.dv >= kStreamMinFloats),
         out_(out),
         lse_(lse),
         pool_(pool),
@@ -419,19 +452,24 @@ class ForwardCall {
   std::vector<std::atomic<bool>> kv_checked_;
   const bool merge_;
   const bool stream_;  // outputs larger than the caches are written past them (ScaleRow)
-  float* out_;
+  const OutRows out_;
   float* lse_;
   ThreadPool& pool_;
   std::vector<WorkerStats> wstats_;
 };
 
-void Forward(const FlashParams& p, ThreadPool& pool, bool merge, float* out, float* lse,
+void Forward(const FlashParams& p, ThreadPool& pool, bool merge, const OutRows& out, float* lse,
              KernelStats* stats) {
   const Geometry g = Geometry::Of(p);
   if (g.b == 0 || g.sq == 0 || g.h == 0) return;
   if (g.skv == 0) {  // nothing to attend to: every row is empty
     if (merge) return;
-    std::memset(out, 0, static_cast<size_t>(g.b * g.sq * g.h * g.dv) * sizeof(float));
+    const auto n = static_cast<size_t>(g.b * g.sq * g.h * g.dv);
+    if (out.bf16 != nullptr) {
+      std::memset(out.bf16, 0, n * sizeof(uint16_t));
+    } else {
+      std::memset(out.f32, 0, n * sizeof(float));
+    }
     for (int64_t i = 0; i < g.b * g.h * g.sq; ++i) lse[i] = kNegInf;
     return;
   }
@@ -442,12 +480,19 @@ void Forward(const FlashParams& p, ThreadPool& pool, bool merge, float* out, flo
 
 void FlashForward(const FlashParams& p, ThreadPool& pool, float* out, float* lse,
                   KernelStats* stats) {
-  Forward(p, pool, /*merge=*/false, out, lse, stats);
+  Forward(p, pool, /*merge=*/false, OutRows{.f32 = out}, lse, stats);
+}
+
+bool FlashForwardBf16Out(const FlashParams& p, ThreadPool& pool, uint16_t* out_bf16, float* lse,
+                         KernelStats* stats) {
+  std::atomic<bool> overflow{false};
+  Forward(p, pool, /*merge=*/false, OutRows{.bf16 = out_bf16, .overflow = &overflow}, lse, stats);
+  return !overflow.load();
 }
 
 void FlashForwardMerge(const FlashParams& p, ThreadPool& pool, float* out, float* lse,
                        KernelStats* stats) {
-  Forward(p, pool, /*merge=*/true, out, lse, stats);
+  Forward(p, pool, /*merge=*/true, OutRows{.f32 = out}, lse, stats);
 }
 
 }  // namespace ringsplash::kernels
