@@ -93,7 +93,9 @@ struct KernelStats {
   }
 };
 
-// Forward: writes out and lse. Throws Error on any invalid argument.
+// Forward: writes out and lse. Throws Error on any invalid argument. The
+// kernels compute in f32; an f32 or contiguous bf16 out (without sinks) is
+// written directly, other outputs through an f32 copy of out.
 void AttentionForward(const AttentionInputs& in, const AttentionOptions& opt, TensorView out,
                       TensorView lse, KernelStats* stats = nullptr);
 
