@@ -149,42 +149,46 @@ alignas(64) constexpr uint16_t kInterleave[32] = {0,  16, 1,  17, 2,  18, 3,  19
                                                   21, 6,  22, 7,  23, 8,  24, 9,  25, 10, 26,
                                                   11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
 
-// Pairs of rows (2t, 2t + 1), 16 columns at a time: both rounded to bf16 into
-// one vector [row 2t | row 2t + 1], then interleaved element by element.
-void PackPairsBf16(int64_t rows, int64_t cols, const float* src, int64_t lds, uint16_t* dst,
-                   int64_t ldd) {
+// The pair loop of both packers: both(r, c) gives [16 of row r | 16 of row
+// r + 1] from column c as bf16 (zero past the last row); interleaved
+// element by element into pair row r / 2, for rows up to RoundUp(rows, 32)
+// and columns up to cols16.
+template <class Both>
+RINGSPLASH_INLINE void InterleavePairs(int64_t rows, int64_t cols16, uint16_t* dst, int64_t ldd,
+                                       Both&& both) {
   const __m512i order = _mm512_load_si512(kInterleave);
   const int64_t padded = RoundUp(rows, 32);
   for (int64_t r = 0; r < padded; r += 2) {
     uint16_t* out = dst + (r / 2) * ldd * 2;
-    for (int64_t c = 0; c < cols; c += 16) {
-      const __m512 even = r < rows ? _mm512_loadu_ps(src + r * lds + c) : _mm512_setzero_ps();
-      const __m512 odd =
-          r + 1 < rows ? _mm512_loadu_ps(src + (r + 1) * lds + c) : _mm512_setzero_ps();
-      const __m512i both = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(odd, even));
-      _mm512_storeu_si512(out + 2 * c, _mm512_permutexvar_epi16(order, both));
+    for (int64_t c = 0; c < cols16; c += 16) {
+      _mm512_storeu_si512(out + 2 * c, _mm512_permutexvar_epi16(order, both(r, c)));
     }
   }
 }
 
-// PackPairsFromBf16Fn: PackPairsBf16 on bf16 rows, the column tail loaded
+// Pairs of rows (2t, 2t + 1), 16 columns at a time, both rounded to bf16.
+void PackPairsBf16(int64_t rows, int64_t cols, const float* src, int64_t lds, uint16_t* dst,
+                   int64_t ldd) {
+  InterleavePairs(rows, cols, dst, ldd, [&](int64_t r, int64_t c) {
+    const __m512 even = r < rows ? _mm512_loadu_ps(src + r * lds + c) : _mm512_setzero_ps();
+    const __m512 odd =
+        r + 1 < rows ? _mm512_loadu_ps(src + (r + 1) * lds + c) : _mm512_setzero_ps();
+    return reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(odd, even));
+  });
+}
+
+// PackPairsFromBf16Fn: the same from bf16 rows, the column tail loaded
 // under a mask.
 void PackPairsFromBf16(int64_t rows, int64_t cols, const uint16_t* src, int64_t lds, uint16_t* dst,
                        int64_t ldd) {
-  const __m512i order = _mm512_load_si512(kInterleave);
-  const int64_t padded = RoundUp(rows, 32), cols16 = RoundUp(cols, 16);
-  for (int64_t r = 0; r < padded; r += 2) {
-    uint16_t* out = dst + (r / 2) * ldd * 2;
-    for (int64_t c = 0; c < cols16; c += 16) {
-      const __mmask16 in = avx512::LaneMask(cols - c);
-      const __m256i even =
-          r < rows ? _mm256_maskz_loadu_epi16(in, src + r * lds + c) : _mm256_setzero_si256();
-      const __m256i odd = r + 1 < rows ? _mm256_maskz_loadu_epi16(in, src + (r + 1) * lds + c)
-                                       : _mm256_setzero_si256();
-      const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(even), odd, 1);
-      _mm512_storeu_si512(out + 2 * c, _mm512_permutexvar_epi16(order, both));
-    }
-  }
+  InterleavePairs(rows, RoundUp(cols, 16), dst, ldd, [&](int64_t r, int64_t c) {
+    const __mmask16 in = avx512::LaneMask(cols - c);
+    const __m256i even =
+        r < rows ? _mm256_maskz_loadu_epi16(in, src + r * lds + c) : _mm256_setzero_si256();
+    const __m256i odd = r + 1 < rows ? _mm256_maskz_loadu_epi16(in, src + (r + 1) * lds + c)
+                                     : _mm256_setzero_si256();
+    return _mm512_inserti64x4(_mm512_castsi256_si512(even), odd, 1);
+  });
 }
 
 // r[jj] holds keys j0 + jj of 16 queries (from i0): transposed in registers
@@ -198,22 +202,35 @@ RINGSPLASH_INLINE void StoreTransposedBf16(__m512 (&r)[16], int64_t nq, uint16_t
   }
 }
 
-// P^T (rows x cols: keys x queries) to bf16 rows of P, 16 x 16 at a time;
-// keys from `rows` to RoundUp(rows, 32) are zero.
-void TransposeBf16(int64_t rows, int64_t cols, const float* src, int64_t lds, uint16_t* dst,
-                   int64_t ldd) {
-  const int64_t padded = RoundUp(rows, 32);
-  for (int64_t i0 = 0; i0 < cols; i0 += 16) {
-    const int64_t nq = std::min<int64_t>(16, cols - i0);
+// A tile in the transposed layout (keys x queries: src[j * lds + i]) to
+// bf16, 16 keys x 16 queries at a time, each value loaded once:
+//   rows[j * ldr + i] for j < keys, i < RoundUp(queries, kVec) (zero from
+//     queries), when rows is not null;
+//   cols[i * ldc + j] for i < queries, j < RoundUp(keys, 32) (zero from
+//     keys), transposed in registers, when cols is not null.
+void TileToBf16(int64_t keys, int64_t queries, const float* src, int64_t lds, uint16_t* rows,
+                int64_t ldr, uint16_t* cols, int64_t ldc) {
+  const int64_t mp = RoundUp(queries, kVec);
+  const int64_t padded = cols != nullptr ? RoundUp(keys, 32) : keys;
+  for (int64_t i0 = 0; i0 < mp; i0 += 16) {
+    const int64_t nq = std::min<int64_t>(16, queries - i0);
     const __mmask16 in = avx512::LaneMask(nq);
     for (int64_t j0 = 0; j0 < padded; j0 += 16) {
       __m512 r[16];
       RINGSPLASH_UNROLL
       for (int jj = 0; jj < 16; ++jj) {
         const int64_t j = j0 + jj;
-        r[jj] = j < rows ? _mm512_maskz_loadu_ps(in, src + j * lds + i0) : _mm512_setzero_ps();
+        if (j >= keys) {
+          r[jj] = _mm512_setzero_ps();
+          continue;
+        }
+        r[jj] = _mm512_maskz_loadu_ps(in, src + j * lds + i0);
+        if (rows != nullptr) {
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(rows + j * ldr + i0),
+                              reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(r[jj])));
+        }
       }
-      StoreTransposedBf16(r, nq, dst, ldd, i0, j0);
+      if (cols != nullptr) StoreTransposedBf16(r, nq, cols, ldc, i0, j0);
     }
   }
 }
@@ -285,36 +302,12 @@ bool LazyStepBf16(const TileArgs& t, float* row_max, float* row_sum, float* alph
   return true;
 }
 
-// GradOperandsBf16Fn, 16 keys x 16 queries at a time: the rows converted as
-// loaded, the dS block also transposed in registers for ds_cols.
+// GradOperandsBf16Fn: P^T as rows, dS^T as rows and transposed.
 void GradOperandsBf16(int64_t keys, int64_t queries, const float* pt, const float* ds, int64_t ldp,
                       uint16_t* pt_rows, uint16_t* ds_rows, int64_t ldr, uint16_t* ds_cols,
                       int64_t ldc) {
-  const int64_t mp = RoundUp(queries, kVec);
-  const int64_t padded = ds_cols != nullptr ? RoundUp(keys, 32) : keys;
-  auto to_bf16 = [](__m512 x) { return reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(x)); };
-  for (int64_t i0 = 0; i0 < mp; i0 += 16) {
-    const int64_t nq = std::min<int64_t>(16, queries - i0);
-    const __mmask16 in = avx512::LaneMask(nq);
-    for (int64_t j0 = 0; j0 < padded; j0 += 16) {
-      __m512 r[16];
-      RINGSPLASH_UNROLL
-      for (int jj = 0; jj < 16; ++jj) {
-        const int64_t j = j0 + jj;
-        if (j >= keys) {
-          r[jj] = _mm512_setzero_ps();
-          continue;
-        }
-        r[jj] = _mm512_maskz_loadu_ps(in, ds + j * ldp + i0);
-        if (pt_rows != nullptr) {
-          const __m512 p = _mm512_maskz_loadu_ps(in, pt + j * ldp + i0);
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(pt_rows + j * ldr + i0), to_bf16(p));
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(ds_rows + j * ldr + i0), to_bf16(r[jj]));
-        }
-      }
-      if (ds_cols != nullptr) StoreTransposedBf16(r, nq, ds_cols, ldc, i0, j0);
-    }
-  }
+  if (pt_rows != nullptr) TileToBf16(keys, queries, pt, ldp, pt_rows, ldr, nullptr, 0);
+  TileToBf16(keys, queries, ds, ldp, ds_rows, ldr, ds_cols, ldc);
 }
 
 // SoftmaxBf16Fn: the lazy step where it applies (no soft cap), else the
@@ -323,7 +316,7 @@ void SoftmaxBf16(const TileArgs& t, float* row_max, float* row_sum, float* alpha
                  int64_t ldpb) {
   if (t.softcap == 0.0f && LazyStepBf16(t, row_max, row_sum, alpha, p, ldpb)) return;
   avx512::SoftmaxColumns(t, row_max, row_sum, alpha);
-  TransposeBf16(t.keys, t.queries, t.pt, t.ldp, p, ldpb);
+  TileToBf16(t.keys, t.queries, t.pt, t.ldp, nullptr, 0, p, ldpb);
 }
 
 }  // namespace
