@@ -198,7 +198,6 @@ KvRows::KvRows(const FlashParams& p, const Geometry& g, KeyFormat keys, double u
   const int64_t d2 = micro::RoundUp(g.d, 2);
   ldk_bf16_ = d2;
   if (keys == KeyFormat::kBf16Tiles) {
-    values_from_tensor_ = true;
     if (k.dtype == DType::kBF16 && k.stride[3] == 1 && k.stride[1] % 2 == 0 && g.d % 2 == 0) {
       k_bf16_in_place_ = static_cast<const uint16_t*>(k.data);
       ldk_bf16_ = k.stride[1];
@@ -206,7 +205,7 @@ KvRows::KvRows(const FlashParams& p, const Geometry& g, KeyFormat keys, double u
   }
   const int64_t tiles = g.b * g.hkv * g.nkvb;
   const bool pack_k = k_in_place_ == nullptr && k_bf16_in_place_ == nullptr;
-  const bool pack_v = v_in_place_ == nullptr && !values_from_tensor_;
+  const bool pack_v = v_in_place_ == nullptr && keys != KeyFormat::kBf16Tiles;
   if (pack_k) {
     if (bf16_keys) {
       k_elems_ = g.bkv * d2;
@@ -274,7 +273,7 @@ const uint16_t* KvRows::KeysBf16(int64_t b, int64_t kh, int64_t kvb) const {
 }
 
 const float* KvRows::Values(int64_t b, int64_t kh, int64_t kvb) const {
-  if (values_from_tensor_) return nullptr;
+  if (keys_ == KeyFormat::kBf16Tiles) return nullptr;  // the caller reads the tensor
   if (v_in_place_ != nullptr) {
     return v_in_place_ + b * v_stride_[0] + kvb * g_.bkv * v_stride_[1] + kh * v_stride_[2];
   }

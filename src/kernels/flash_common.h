@@ -122,11 +122,11 @@ class TileMask {
 // With `checked_copy`, f32 rows of unit inner stride packed per call are
 // copied by its copy_rows_f32, which also notes whether a tile's rows hold a
 // NaN or an infinity: NonFinite then needs no second read of those rows.
-// kBf16Tiles (the amx forward, bf16 K and V with unit inner stride): keys as
-// for kBf16, but read in place where their row stride is even (the tile
-// GEMM's A operand takes any even leading dimension: ldk_bf16()), and V is
-// never packed or copied — the caller packs its P V pairs from the tensor
-// (Values() is then null).
+// kBf16Tiles (the amx path's tile products): bf16 keys as for kBf16, but
+// read in place where the tensor allows (unit inner stride, even row stride
+// and D: the tile GEMM's A operand takes any even leading dimension,
+// ldk_bf16()), and V is never packed or copied — the caller reads V from
+// the tensor itself (Values() is then null).
 class KvRows {
  public:
   // kF32Padded: rows of ld_d, zero padded.
@@ -163,7 +163,6 @@ class KvRows {
   const float* k_in_place_ = nullptr;
   const float* v_in_place_ = nullptr;
   const uint16_t* k_bf16_in_place_ = nullptr;
-  bool values_from_tensor_ = false;                            // kBf16Tiles
   int64_t k_stride_[3] = {0, 0, 0}, v_stride_[3] = {0, 0, 0};  // b, s, head
   int64_t ldk_ = 0, ldv_ = 0, ldk_bf16_ = 0, k_elems_ = 0, v_elems_ = 0;
   AlignedBuffer<float> k_packed_, v_packed_;

@@ -150,9 +150,6 @@ void StreamFence() {
 #endif
 }
 
-// out = acc / l and lse = m + log(l) for the task's rows (0 and -inf for a
-// row without keys); with `merge`, that partial result is merged into the
-// rows' existing (out, lse) by MergePartial, one row at a time.
 // Where FinishRows writes out rows: f32 (`f32`, merged into when merging),
 // or, not merging, bf16 (`bf16`, f32 null); `overflow` is set if a finite
 // value rounded to a bf16 infinity.
@@ -172,42 +169,34 @@ void StoreRowBf16(const float* a, int64_t dv, uint16_t* dst, std::atomic<bool>* 
   if (over) overflow->store(true, std::memory_order_relaxed);
 }
 
+// out = acc / l and lse = m + log(l) for the task's rows (0 and -inf for a
+// row without keys); with `merge`, that partial result is merged into the
+// rows' existing (out, lse) by MergePartial, one row at a time; with a bf16
+// out, it is rounded into it. `stream`: f32 out rows written with
+// non-temporal stores (ForwardCall::stream_, never when merging or rounding).
 void FinishRows(const Geometry& g, int64_t b, int64_t h, int64_t qb, int64_t m, BlockState& ws,
                 bool merge, bool stream, const OutRows& out, float* lse) {
   for (int64_t i = 0; i < m; ++i) {
     const int64_t row = qb * g.bq + i;
     const int64_t at = ((b * g.sq + row) * g.h + h) * g.dv;
     float* l_out = lse + (b * g.h + h) * g.sq + row;
-    if (out.bf16 != nullptr) {  // scaled in place, then rounded
-      float* a = ws.acc.data() + i * g.ld_dv;
-      const float l = ws.row_sum[i];
-      if (l > 0.0f) {
-        ScaleRow(a, a, g.dv, 1.0f / l, false);
-        *l_out = ws.row_max[i] + std::log(l);
-      } else {
-        std::memset(a, 0, static_cast<size_t>(g.dv) * sizeof(float));
-        *l_out = kNegInf;
-      }
-      StoreRowBf16(a, g.dv, out.bf16 + at, out.overflow);
-      continue;
-    }
-    float* o = out.f32 + at;
-    // The row's partial result; in place of its accumulator when merging.
-    float* part = merge ? ws.acc.data() + i * g.ld_dv : o;
+    float* a = ws.acc.data() + i * g.ld_dv;
+    // The row's partial result; in place of its accumulator when merging or
+    // rounding to bf16.
+    float* part = merge || out.bf16 != nullptr ? a : out.f32 + at;
     float part_lse = kNegInf;
     const float l = ws.row_sum[i];
     if (l > 0.0f) {
-      const float* a = ws.acc.data() + i * g.ld_dv;
-      const float inv = 1.0f / l;
-      ScaleRow(part, a, g.dv, inv, stream && !merge);
+      ScaleRow(part, a, g.dv, 1.0f / l, stream);
       part_lse = ws.row_max[i] + std::log(l);
     } else {
       std::memset(part, 0, static_cast<size_t>(g.dv) * sizeof(float));
     }
     if (merge) {
-      MergePartial(RowShape{1, 1, 1, g.dv}, o, l_out, part, &part_lse);
+      MergePartial(RowShape{1, 1, 1, g.dv}, out.f32 + at, l_out, part, &part_lse);
     } else {
       *l_out = part_lse;
+      if (out.bf16 != nullptr) StoreRowBf16(part, g.dv, out.bf16 + at, out.overflow);
     }
   }
 }
