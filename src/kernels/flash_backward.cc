@@ -174,10 +174,11 @@ class QSide {
 struct Workspace {
   AlignedBuffer<float> pt, ds, deriv, tile, dk, dv, dq;
   // Tile products (amx path, bf16 q, k, v and dout), the q side's pairs
-  // being in QTile: K and V rows as bf16 (ld RoundUp(D, 2), RoundUp(Dv, 2))
-  // and K paired over keys (ld ld_d) once per kv tile; P^T and dS^T as bf16
-  // rows (ld ld_q) and dS as bf16 rows (ld RoundUp(bkv, 32)) per tile.
-  AlignedBuffer<uint16_t> k_bf16, v_bf16, k_pairs, pt_bf16, ds_bf16, dsq_bf16;
+  // being in QTile and K's bf16 rows in KvRows: V rows as bf16 (ld
+  // RoundUp(Dv, 2)) and K paired over keys (ld ld_d) once per kv tile; P^T
+  // and dS^T as bf16 rows (ld ld_q) and dS as bf16 rows (ld RoundUp(bkv,
+  // 32)) per tile.
+  AlignedBuffer<uint16_t> v_bf16, k_pairs, pt_bf16, ds_bf16, dsq_bf16;
   TileMask mask;
   TileCopies q_copies;   // QSide's per-thread mode
   KvTileCache kv_cache;  // where K and V are read (this thread's copies, or the call's)
@@ -186,7 +187,6 @@ struct Workspace {
   static Workspace& ForThisThread(const Geometry& g, bool capped, bool tile_products) {
     thread_local Workspace ws;
     if (tile_products) {
-      Grow(ws.k_bf16, g.bkv * RoundUp(g.d, 2));
       Grow(ws.v_bf16, g.bkv * RoundUp(g.dv, 2));
       Grow(ws.k_pairs, RoundUp(g.bkv, 32) * g.ld_d);
       Grow(ws.pt_bf16, g.bkv * g.ld_q);
@@ -216,16 +216,18 @@ struct Context {
   const float* lse;
   const float* delta;
   // All five products on AMX tiles (amx path; q, k, v and dout bf16, so
-  // their f32 copies hold bf16 values and the bf16 operands made from them
-  // are exact): S^T = K Q^T and dP^T = V dO^T stored, then BackwardTile's
-  // epilogues; dV, dK and dQ from bf16 P^T and dS^T (GradOperandsBf16Fn).
+  // the bf16 operands made from them are exact; K read through
+  // KvRows::KeysBf16): S^T = K Q^T and dP^T = V dO^T stored, then
+  // BackwardTile's epilogues; dV, dK and dQ from bf16 P^T and dS^T
+  // (GradOperandsBf16Fn).
   bool tile_products;
 };
 
 // Whether this call computes its products on tiles (Context).
 bool TileProducts(const FlashParams& p, const TensorView& dout, const micro::MicroKernels& mk) {
   return p.q.dtype == DType::kBF16 && dout.dtype == DType::kBF16 && mk.pack_pairs_bf16 != nullptr &&
-         mk.grad_operands_bf16 != nullptr && mk.gemm_bf16 != nullptr;
+         mk.pack_pairs_from_bf16 != nullptr && mk.grad_operands_bf16 != nullptr &&
+         mk.gemm_bf16 != nullptr;
 }
 
 // Which products' operands a tile is for: the one-pass schedule uses all
@@ -233,16 +235,17 @@ bool TileProducts(const FlashParams& p, const TensorView& dout, const micro::Mic
 enum class Uses { kAll, kKv, kQ };
 
 // The kv tile's bf16 operands for tile products (once per kv tile and task):
-// K and V rows read from the bf16 inputs, and K pairs from its f32 rows
-// (exact) when dQ is computed.
-void KvToBf16(const Context& c, const KvTile& kvt, int64_t b, int64_t kh, int64_t kvb, Uses uses,
-              Workspace& ws) {
+// V rows read from the bf16 input, and K pairs from K's bf16 rows when dQ
+// is computed.
+void KvToBf16(const Context& c, int64_t b, int64_t kh, int64_t kvb, Uses uses, Workspace& ws) {
   if (!c.tile_products) return;
   const Geometry& g = c.g;
-  const int64_t n = g.KvRows(kvb), r0 = kvb * g.bkv;
-  PackRowsBf16(Slab{&c.p.k, b, kh, r0, n, g.d}, ws.k_bf16.data(), RoundUp(g.d, 2));
-  PackRowsBf16(Slab{&c.p.v, b, kh, r0, n, g.dv}, ws.v_bf16.data(), RoundUp(g.dv, 2));
-  if (uses != Uses::kKv) c.mk.pack_pairs_bf16(n, g.dp, kvt.k, kvt.ldk, ws.k_pairs.data(), g.ld_d);
+  const int64_t n = g.KvRows(kvb);
+  PackRowsBf16(Slab{&c.p.v, b, kh, kvb * g.bkv, n, g.dv}, ws.v_bf16.data(), RoundUp(g.dv, 2));
+  if (uses != Uses::kKv) {
+    c.mk.pack_pairs_from_bf16(n, g.d, c.kv.KeysBf16(b, kh, kvb), c.kv.ldk_bf16(), ws.k_pairs.data(),
+                              g.ld_d);
+  }
 }
 
 // P^T and dS^T of tile (b, h, qb, kvb) into ws.pt / ws.ds (with tile
@@ -256,7 +259,7 @@ BlockKind TileProbs(const Context& c, const QTile& qs, const KvTile& kvt, BlockK
   const Geometry& g = c.g;
   const BlockKind kind = c.plan.Refine(map_kind, b, qb, kvb);
   if (kind == BlockKind::kEmpty) return kind;
-  if (convert_kv) KvToBf16(c, kvt, b, h / g.group, kvb, uses, ws);
+  if (convert_kv) KvToBf16(c, b, h / g.group, kvb, uses, ws);
   const int64_t row = (b * g.h + h) * g.sq + qb * g.bq;
   micro::BackwardTileArgs a;
   micro::TileArgs& t = a.t;
@@ -289,8 +292,8 @@ BlockKind TileProbs(const Context& c, const QTile& qs, const KvTile& kvt, BlockK
   if (c.tile_products) {
     const int64_t mp = RoundUp(t.queries, micro::kVec);
     const int64_t d2 = RoundUp(g.d, 2), dv2 = RoundUp(g.dv, 2);
-    c.mk.gemm_bf16(t.keys, mp, d2 / 2, ws.k_bf16.data(), d2, qs.qt_pairs, g.ld_q, t.pt, t.ldp,
-                   nullptr, false);
+    c.mk.gemm_bf16(t.keys, mp, d2 / 2, c.kv.KeysBf16(b, h / g.group, kvb), c.kv.ldk_bf16(),
+                   qs.qt_pairs, g.ld_q, t.pt, t.ldp, nullptr, false);
     c.mk.gemm_bf16(t.keys, mp, dv2 / 2, ws.v_bf16.data(), dv2, qs.dot_pairs, g.ld_q, a.ds, t.ldp,
                    nullptr, false);
     a.products_stored = true;
@@ -373,7 +376,7 @@ void KvBlock(const Context& c, const TilePlan& cols, int64_t b, int64_t kh, int6
   std::memset(ws.dk.data(), 0, static_cast<size_t>(n * g.ld_d) * sizeof(float));
   std::memset(ws.dv.data(), 0, static_cast<size_t>(n * g.ld_dv) * sizeof(float));
   const KvTile kvt = ws.kv_cache.Get(c.kv, c.mk, b, kh, kvb);
-  KvToBf16(c, kvt, b, kh, kvb, uses, ws);
+  KvToBf16(c, b, kh, kvb, uses, ws);
   int64_t computed = 0;
   for (int64_t h = kh * g.group; h < (kh + 1) * g.group; ++h) {
     for (const mask::BlockRun& run : cols.map().Runs(h, kvb)) {
@@ -408,8 +411,11 @@ void FlashBackward(const FlashParams& p, ThreadPool& pool, const TensorView& dou
   const bool tile_products = TileProducts(p, dout, mk);
   const TilePlan cols(p, g, /*by_column=*/true);
   const QSide qs(p, dout, g, mk, cols, pool, tile_products);
-  const KvRows kv(p, g, KvRows::KeyFormat::kF32Padded, cols.UsesPerKvTile(), pool,
-                  /*tile_cache=*/true);
+  // With tile products K is read as bf16 (in place where it can be) and V
+  // from the tensor: no f32 copies of either.
+  const KvRows kv(p, g,
+                  tile_products ? KvRows::KeyFormat::kBf16Tiles : KvRows::KeyFormat::kF32Padded,
+                  cols.UsesPerKvTile(), pool, /*tile_cache=*/true);
   std::vector<WorkerStats> wstats(static_cast<size_t>(pool.size()));
 
   if (BackwardInOnePass(g, pool.size())) {
