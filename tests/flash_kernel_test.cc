@@ -722,6 +722,79 @@ TEST(FlashTest, BitwiseIdenticalAcrossThreadCounts) {
   }
 }
 
+// The backward splits each kv head's group of query heads into parts when
+// there are fewer than 16 (batch, kv head) pairs (MQA, small batches), so
+// that its one-pass schedule has enough tasks. Each split: gradients against
+// the reference, and bitwise the same on 1 to 4 threads, i.e. through both
+// schedules (8 tasks on 3 threads take the two-pass one).
+TEST(FlashTest, BackwardHeadPartsMatchReferenceOnAnyThreadCount) {
+  struct Case {
+    Shape shape;
+    int64_t parts;  // the documented rule: the smallest divisor of the group
+                    // giving >= 16 tasks, else the whole group
+  };
+  const std::vector<Case> cases = {
+      {{2, 40, 50, 16, 8, 16, 16}, 1},  // 16 pairs: groups of 2 stay whole
+      {{2, 40, 50, 16, 4, 16, 24}, 2},  // 8 pairs: groups of 4 in halves
+      {{1, 40, 50, 8, 1, 16, 16}, 8},   // MQA: every query head its own part
+  };
+  uint64_t seed = 720;
+  for (const Case& c : cases) {
+    for (KernelPath path : SupportedKernelPaths()) {
+      for (DType dtype : {DType::kF32, DType::kBF16}) {
+        RunConfig s;
+        s.path = path;
+        s.mask = Mask::Causal(5);
+        s.blocks = {16, 16};
+        s.threads = 1;
+        CheckAgainstReference(c.shape, dtype, s, /*segments=*/false, ++seed);
+        Problem prob(seed, SpecOf(c.shape, dtype));
+        const kernels::Geometry g = kernels::Geometry::Of(prob.Params(s));
+        EXPECT_EQ(kernels::BackwardHeadParts(g), c.parts);
+        const Result r1 = prob.Run(s, true);
+        for (int threads : {2, 3, 4}) {
+          s.threads = threads;
+          const Result rn = prob.Run(s, true);
+          EXPECT_TRUE(BitwiseEqual(r1, rn))
+              << KernelPathName(path) << " " << DTypeName(dtype) << " parts " << c.parts << ", "
+              << threads << " threads";
+        }
+      }
+    }
+  }
+  // The rule on long sequences, where the parts' dK/dV buffers ((parts - 1)
+  // x 128 MiB here) must stay within one f32 copy of q (512 MiB): MQA at S =
+  // 131072 takes 4 parts, not 8; 16 pairs take none.
+  kernels::Geometry big;
+  big.b = 1;
+  big.sq = big.skv = 131072;
+  big.h = 8;
+  big.hkv = 1;
+  big.group = 8;
+  big.d = big.dv = 128;
+  EXPECT_EQ(kernels::BackwardHeadParts(big), 4);
+  big.sq = big.skv = 1024;  // small: the whole group
+  EXPECT_EQ(kernels::BackwardHeadParts(big), 8);
+  big.b = 16;
+  EXPECT_EQ(kernels::BackwardHeadParts(big), 1);
+  big.b = 2;
+  big.h = 16;
+  big.hkv = 4;
+  big.group = 4;
+  EXPECT_EQ(kernels::BackwardHeadParts(big), 2);
+
+  // MQA on 2 threads: one pass (the five products once per tile).
+  ProblemSpec spec(1, 64, 64, 8, 1, 16, 16);
+  Problem prob(730, spec);
+  RunConfig s;
+  s.blocks = {16, 16};
+  s.threads = 2;
+  EXPECT_TRUE(kernels::BackwardInOnePass(kernels::Geometry::Of(prob.Params(s)), 2));
+  const Result r = prob.Run(s, true);
+  const double tiles = 8.0 * 4 * 4;
+  EXPECT_EQ(r.bwd_stats.flops, tiles * 2 * 16 * 16 * (3.0 * 16 + 2.0 * 16));
+}
+
 // Rows [lo, lo + n) of a [B, S, H, C] view.
 TensorView SliceRows(const TensorView& t, int64_t lo, int64_t n) {
   TensorView s = t;

@@ -14,17 +14,22 @@
 // each, as FlashAttention's bf16 backward on GPUs; f32 sums).
 //
 // Determinism without float atomics: every accumulator is owned by one task
-// and summed in a fixed order —
-//   dK/dV tile of kvb: zeroed, then += over (query head of the group, q block)
-//     ascending, then added to dk_acc / dv_acc;
+// and summed in a fixed order. A kv head's group of query heads is split
+// into BackwardHeadParts(g) consecutive parts (a function of the shapes
+// only, > 1 when there are few (batch, kv head) pairs: MQA, small batches);
+//   dK/dV tile of kvb, for each part in turn: zeroed, then += over (query
+//     head of the part, q block) ascending, then added to dk_acc / dv_acc;
 //   dQ tile of (h, qb): zeroed, then += over kvb ascending, then added to dq_acc.
 // Two schedules realise exactly these operation sequences:
-//   one pass: tasks (batch, kv head) walk kvb, then heads, then q blocks, with
-//     the group's dQ tiles in a per-task scratch; each tile computed once;
-//   two passes (when there are too few (batch, kv head) tasks to keep the
-//     threads busy): tasks (batch, kv head, kvb) for dK/dV, then tasks
-//     (batch, head, q block) for dQ, recomputing P^T and dS^T with the same
-//     kernel on the same inputs (bit-identical).
+//   one pass: tasks (batch, kv head, part) walk kvb, then the part's heads,
+//     then q blocks, with the part's dQ tiles in a per-task scratch; each
+//     tile computed once. Part 0 adds its dK/dV tiles to the accumulators
+//     as it goes; later parts keep theirs in per-part buffers, added in part
+//     order once every task is done;
+//   two passes (when there are still too few tasks to keep the threads
+//     busy): tasks (batch, kv head, kvb) for dK/dV, then tasks (batch, head,
+//     q block) for dQ, recomputing P^T and dS^T with the same kernel on the
+//     same inputs (bit-identical).
 // So results are bitwise the same for every thread count.
 #include <algorithm>
 #include <cstring>
@@ -365,39 +370,63 @@ void AddQTile(const Geometry& g, int64_t b, int64_t h, int64_t qb, const float* 
   }
 }
 
-// dK/dV of (b, kh, kvb) over every head of the group and every q block of the
-// column map, in order; `on_tile(h, qb, kind, kv tile)` runs after each computed tile (the
-// one-pass schedule adds its dQ there).
+// dK/dV of (b, kh, kvb) over the query heads of `part` (PartHeads) and every
+// q block of the column map, in order, into dk [bkv][ld_d] and dv
+// [bkv][ld_dv] (zeroed first); `on_tile(h, qb, kind, kv tile)` runs after
+// each computed tile (the one-pass schedule adds its dQ there). With tile
+// products the kv tile's bf16 operands are made first unless `kv_ready` (the
+// previous part of the same tile made them).
 template <class OnTile>
-void KvBlock(const Context& c, const TilePlan& cols, int64_t b, int64_t kh, int64_t kvb, Uses uses,
-             Workspace& ws, WorkerStats& st, float* dk_acc, float* dv_acc, OnTile&& on_tile) {
+void KvBlock(const Context& c, const TilePlan& cols, int64_t b, int64_t kh, int64_t kvb,
+             int64_t part, bool kv_ready, Uses uses, Workspace& ws, WorkerStats& st, float* dk,
+             float* dv, OnTile&& on_tile) {
   const Geometry& g = c.g;
   const int64_t n = g.KvRows(kvb);
-  std::memset(ws.dk.data(), 0, static_cast<size_t>(n * g.ld_d) * sizeof(float));
-  std::memset(ws.dv.data(), 0, static_cast<size_t>(n * g.ld_dv) * sizeof(float));
+  std::memset(dk, 0, static_cast<size_t>(n * g.ld_d) * sizeof(float));
+  std::memset(dv, 0, static_cast<size_t>(n * g.ld_dv) * sizeof(float));
   const KvTile kvt = ws.kv_cache.Get(c.kv, c.mk, b, kh, kvb);
-  KvToBf16(c, b, kh, kvb, uses, ws);
+  if (!kv_ready) KvToBf16(c, b, kh, kvb, uses, ws);
+  const int64_t per_part = g.group / BackwardHeadParts(g);
+  const int64_t h0 = kh * g.group + part * per_part;
   int64_t computed = 0;
-  for (int64_t h = kh * g.group; h < (kh + 1) * g.group; ++h) {
+  for (int64_t h = h0; h < h0 + per_part; ++h) {
     for (const mask::BlockRun& run : cols.map().Runs(h, kvb)) {
       for (int64_t qb = run.begin; qb < run.end; ++qb) {
         const QTile qs = c.qs.Get(b, h, qb, ws.q_copies);
         const BlockKind kind = TileProbs(c, qs, kvt, run.kind, b, h, qb, kvb, ws, uses);
         if (kind == BlockKind::kEmpty) continue;
-        AccumulateKv(c, qs, qb, kvb, ws.dk.data(), ws.dv.data(), ws);
+        AccumulateKv(c, qs, qb, kvb, dk, dv, ws);
         on_tile(h, qb, kind, kvt);
         ++computed;
       }
     }
   }
-  st.skipped += g.group * g.nqb - computed;
-  AddKvTile(g, b, kh, kvb, ws.dk.data(), ws.dv.data(), dk_acc, dv_acc);
+  st.skipped += per_part * g.nqb - computed;
 }
+
+// Fewer (batch, kv head) pairs than this split their groups (BackwardHeadParts).
+constexpr int64_t kMinBackwardTasks = 16;
 
 }  // namespace
 
+int64_t BackwardHeadParts(const Geometry& g) {
+  const int64_t pairs = g.b * g.hkv;
+  // Parts after the first buffer their dK/dV tiles: (parts - 1) f32 copies of
+  // dK and dV, kept within one f32 copy of q (what dq's accumulator takes
+  // anyway) or 64 MiB.
+  const int64_t per_part = pairs * g.skv * (g.d + g.dv) * int64_t{sizeof(float)};
+  const int64_t cap = std::max<int64_t>(int64_t{64} << 20, g.b * g.sq * g.h * g.d * 4);
+  int64_t best = 1;
+  for (int64_t parts = 2; parts <= g.group && pairs * best < kMinBackwardTasks; ++parts) {
+    if (g.group % parts != 0) continue;
+    if ((parts - 1) * per_part > cap) break;
+    best = parts;
+  }
+  return best;
+}
+
 bool BackwardInOnePass(const Geometry& g, int threads) {
-  const int64_t tasks = g.b * g.hkv;
+  const int64_t tasks = g.b * g.hkv * BackwardHeadParts(g);
   return threads <= 1 || tasks % threads == 0 || tasks >= 4 * int64_t{threads};
 }
 
@@ -418,13 +447,25 @@ void FlashBackward(const FlashParams& p, ThreadPool& pool, const TensorView& dou
                   cols.UsesPerKvTile(), pool, /*tile_cache=*/true);
   std::vector<WorkerStats> wstats(static_cast<size_t>(pool.size()));
 
+  const int64_t parts = BackwardHeadParts(g);
+  const int64_t per_part = g.group / parts;
   if (BackwardInOnePass(g, pool.size())) {
     const Context c{p, g, mk, cols, qs, kv, lse, delta, tile_products};
-    // dQ tiles of the task's group: [group][nqb][bq][ld_d], one per worker.
-    const int64_t dq_elems = g.group * g.nqb * g.bq * g.ld_d;
+    // dQ tiles of the task's heads: [per_part][nqb][bq][ld_d], one per worker.
+    const int64_t dq_elems = per_part * g.nqb * g.bq * g.ld_d;
     std::vector<AlignedBuffer<float>> dq(static_cast<size_t>(pool.size()));
-    pool.ParallelFor(g.b * g.hkv, [&](int64_t task, int worker) {
-      const int64_t kh = task % g.hkv, b = task / g.hkv;
+    // dK/dV tiles of parts 1 .. parts-1 per (b, kh): [nkvb][bkv][ld_d] and
+    // [nkvb][bkv][ld_dv] each (part 0 adds its tiles to the accumulators).
+    const int64_t tile_elems = g.bkv * (g.ld_d + g.ld_dv);
+    const int64_t later_parts = g.b * g.hkv * (parts - 1);
+    AlignedBuffer<float> later;
+    later.Resize(static_cast<size_t>(later_parts * g.nkvb * tile_elems), /*zero=*/false);
+    auto later_tile = [&](int64_t b, int64_t kh, int64_t part, int64_t kvb) {
+      return later.data() +
+             (((b * g.hkv + kh) * (parts - 1) + part - 1) * g.nkvb + kvb) * tile_elems;
+    };
+    pool.ParallelFor(g.b * g.hkv * parts, [&](int64_t task, int worker) {
+      const int64_t part = task % parts, kh = (task / parts) % g.hkv, b = task / (parts * g.hkv);
       Workspace& ws = Workspace::ForThisThread(g, capped, tile_products);
       WorkerStats& st = wstats[static_cast<size_t>(worker)];
       AlignedBuffer<float>& dqs = dq[static_cast<size_t>(worker)];
@@ -433,20 +474,34 @@ void FlashBackward(const FlashParams& p, ThreadPool& pool, const TensorView& dou
       } else {
         std::memset(dqs.data(), 0, dqs.size() * sizeof(float));
       }
+      const int64_t h0 = kh * g.group + part * per_part;
       auto dq_tile = [&](int64_t h, int64_t qb) {
-        return dqs.data() + ((h - kh * g.group) * g.nqb + qb) * g.bq * g.ld_d;
+        return dqs.data() + ((h - h0) * g.nqb + qb) * g.bq * g.ld_d;
       };
       for (int64_t kvb = 0; kvb < g.nkvb; ++kvb) {
-        KvBlock(c, cols, b, kh, kvb, Uses::kAll, ws, st, dk_acc, dv_acc,
+        float* dk = part == 0 ? ws.dk.data() : later_tile(b, kh, part, kvb);
+        float* dv = part == 0 ? ws.dv.data() : dk + g.bkv * g.ld_d;
+        KvBlock(c, cols, b, kh, kvb, part, /*kv_ready=*/false, Uses::kAll, ws, st, dk, dv,
                 [&](int64_t h, int64_t qb, BlockKind kind, const KvTile& kvt) {
                   AccumulateQ(c, kvt, qb, kvb, dq_tile(h, qb), ws);
                   CountTile(kind, g, g.QRows(qb), g.KvRows(kvb), st);
                 });
+        if (part == 0) AddKvTile(g, b, kh, kvb, dk, dv, dk_acc, dv_acc);
       }
-      for (int64_t h = kh * g.group; h < (kh + 1) * g.group; ++h) {
+      for (int64_t h = h0; h < h0 + per_part; ++h) {
         for (int64_t qb = 0; qb < g.nqb; ++qb) AddQTile(g, b, h, qb, dq_tile(h, qb), dq_acc);
       }
     });
+    if (parts > 1) {
+      pool.ParallelFor(g.b * g.hkv * g.nkvb, [&](int64_t task, int) {
+        const int64_t kvb = task % g.nkvb, kh = (task / g.nkvb) % g.hkv;
+        const int64_t b = task / (g.nkvb * g.hkv);
+        for (int64_t part = 1; part < parts; ++part) {
+          const float* dk = later_tile(b, kh, part, kvb);
+          AddKvTile(g, b, kh, kvb, dk, dk + g.bkv * g.ld_d, dk_acc, dv_acc);
+        }
+      });
+    }
     AddStats(wstats, stats);
     return;
   }
@@ -458,11 +513,14 @@ void FlashBackward(const FlashParams& p, ThreadPool& pool, const TensorView& dou
       const int64_t b = task / (g.nkvb * g.hkv);
       Workspace& ws = Workspace::ForThisThread(g, capped, tile_products);
       WorkerStats& st = wstats[static_cast<size_t>(worker)];
-      KvBlock(c, cols, b, kh, kvb, Uses::kKv, ws, st, dk_acc, dv_acc,
-              [&](int64_t, int64_t qb, BlockKind kind, const KvTile&) {
-                CountTile(kind, g, g.QRows(qb), g.KvRows(kvb), st);
-                st.flops -= 2 * g.QRows(qb) * g.KvRows(kvb) * g.d;  // no dQ product here
-              });
+      for (int64_t part = 0; part < parts; ++part) {
+        KvBlock(c, cols, b, kh, kvb, part, /*kv_ready=*/part > 0, Uses::kKv, ws, st, ws.dk.data(),
+                ws.dv.data(), [&](int64_t, int64_t qb, BlockKind kind, const KvTile&) {
+                  CountTile(kind, g, g.QRows(qb), g.KvRows(kvb), st);
+                  st.flops -= 2 * g.QRows(qb) * g.KvRows(kvb) * g.d;  // no dQ product here
+                });
+        AddKvTile(g, b, kh, kvb, ws.dk.data(), ws.dv.data(), dk_acc, dv_acc);
+      }
     });
   }
   {  // Pass 2: dQ (recomputes S and dP: FLOPs only).

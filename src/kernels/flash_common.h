@@ -260,9 +260,18 @@ T* Grow(AlignedBuffer<T>& buf, int64_t n) {
   return buf.data();
 }
 
+// Into how many parts FlashBackward splits each kv head's group of query
+// heads: 1 when there are at least 16 (batch, kv head) pairs, else the
+// smallest divisor of g.group that makes 16 tasks (or the whole group), as
+// long as the parts' dK/dV buffers ((parts - 1) f32 copies of dK and dV) stay
+// within max(64 MiB, one f32 copy of q). Depends on the shapes only, never on
+// the thread count, since the order of the dK/dV sums follows it
+// (flash_backward.cc).
+int64_t BackwardHeadParts(const Geometry& g);
+
 // Whether FlashBackward runs its one-pass schedule (tasks per (batch, kv
-// head)) for `threads` workers rather than two passes. Both give bitwise
-// identical results; only the FLOPs spent (KernelStats::flops) differ.
+// head, head part)) for `threads` workers rather than two passes. Both give
+// bitwise identical results; only the FLOPs spent (KernelStats::flops) differ.
 bool BackwardInOnePass(const Geometry& g, int threads);
 
 // Integer counters per worker; Total() sums them in worker order.
