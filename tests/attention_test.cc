@@ -356,44 +356,54 @@ TEST(OutputViewsTest, StridedAndConvertedOutputsEqualContiguousF32) {
   }
 }
 
-// A contiguous bf16 out without sinks is written by the kernel directly (no
-// f32 copy of out): it must equal the f32 out of the same call rounded to
-// bf16, bit for bit (the same f32 row is rounded the same way), with the
-// same lse — on every path, with a NaN input too (the call is then redone
-// in f32 and poisoned, as for f32 outputs).
+// A bf16 out (contiguous or a [B, H, S, D] layout, with or without sinks) is
+// written by the kernel directly (no f32 copy of out): it must equal the f32
+// out of the same call rounded to bf16, bit for bit (the same f32 row, sinks
+// applied, is rounded the same way), with the same lse — on every path, with
+// a NaN input too (the call is then redone in f32 and poisoned, as for f32
+// outputs).
 TEST(OutputViewsTest, DirectBf16OutEqualsRoundedF32Out) {
-  Rng rng(8);
-  ProblemSpec spec{2, 40, 56, 4, 2, 32, 24};
-  spec.dtype = DType::kBF16;
-  OwnedInputs in = RandomInputs(rng, spec);
-  AttentionOptions opt;
-  opt.mask = Mask::Causal(8) & Mask::Local(20, std::nullopt);
-  opt.block_sizes = {16, 32};
-  for (bool poisoned : {false, true}) {
-    if (poisoned) {
-      StoreFromF32(in.k.view(), in.k.view().Offset(1, 30, 1, 3),
-                   std::numeric_limits<float>::quiet_NaN());
-    }
-    for (KernelPath path : SupportedKernelPaths()) {
-      opt.kernel_path = path;
-      const ApiResult f32 = RunAttention(in, opt, nullptr, ApiRun{DType::kF32, DType::kF32, false});
-      const ApiResult bf = RunAttention(in, opt, nullptr, ApiRun{DType::kBF16, DType::kF32, false});
-      const std::string what = PathName(path) + (poisoned ? " poisoned" : "");
-      ASSERT_EQ(bf.out.size(), f32.out.size());
-      int nans = 0;
-      for (size_t i = 0; i < f32.out.size(); ++i) {
-        if (std::isnan(f32.out[i])) {
-          ASSERT_TRUE(std::isnan(bf.out[i])) << what << " " << i;
-          ++nans;
-          continue;
-        }
-        ASSERT_EQ(bf.out[i], RoundToBF16(f32.out[i])) << what << " " << i;
+  for (const bool sinks : {false, true}) {
+    Rng rng(8);
+    ProblemSpec spec{2, 40, 56, 4, 2, 32, 24};
+    spec.dtype = DType::kBF16;
+    spec.sinks = sinks;
+    OwnedInputs in = RandomInputs(rng, spec);
+    AttentionOptions opt;
+    opt.mask = Mask::Causal(8) & Mask::Local(20, std::nullopt);
+    opt.block_sizes = {16, 32};
+    for (bool poisoned : {false, true}) {
+      if (poisoned) {
+        StoreFromF32(in.k.view(), in.k.view().Offset(1, 30, 1, 3),
+                     std::numeric_limits<float>::quiet_NaN());
       }
-      EXPECT_EQ(nans > 0, poisoned) << what;
-      ASSERT_EQ(bf.lse.size(), f32.lse.size());
-      for (size_t i = 0; i < f32.lse.size(); ++i) {
-        ASSERT_TRUE(bf.lse[i] == f32.lse[i] || (std::isnan(bf.lse[i]) && std::isnan(f32.lse[i])))
-            << what << " lse " << i;
+      for (KernelPath path : SupportedKernelPaths()) {
+        opt.kernel_path = path;
+        const ApiResult f32 =
+            RunAttention(in, opt, nullptr, ApiRun{DType::kF32, DType::kF32, false});
+        for (const bool strided : {false, true}) {  // strided: a [B, H, S, D] bf16 out
+          const ApiResult bf =
+              RunAttention(in, opt, nullptr, ApiRun{DType::kBF16, DType::kF32, strided});
+          const std::string what = PathName(path) + (poisoned ? " poisoned" : "") +
+                                   (sinks ? " sinks" : "") + (strided ? " strided" : "");
+          ASSERT_EQ(bf.out.size(), f32.out.size());
+          int nans = 0;
+          for (size_t i = 0; i < f32.out.size(); ++i) {
+            if (std::isnan(f32.out[i])) {
+              ASSERT_TRUE(std::isnan(bf.out[i])) << what << " " << i;
+              ++nans;
+              continue;
+            }
+            ASSERT_EQ(bf.out[i], RoundToBF16(f32.out[i])) << what << " " << i;
+          }
+          EXPECT_EQ(nans > 0, poisoned) << what;
+          ASSERT_EQ(bf.lse.size(), f32.lse.size());
+          for (size_t i = 0; i < f32.lse.size(); ++i) {
+            ASSERT_TRUE(bf.lse[i] == f32.lse[i] ||
+                        (std::isnan(bf.lse[i]) && std::isnan(f32.lse[i])))
+                << what << " lse " << i;
+          }
+        }
       }
     }
   }

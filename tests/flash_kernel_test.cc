@@ -597,31 +597,84 @@ TEST(FlashTest, StridedBhsdViewsAndF16Inputs) {
 // FlashForwardBf16Out (the API's bf16 out without an f32 copy): its rows
 // equal FlashForward's f32 rows rounded to bf16, bit for bit, with the same
 // lse, on every path, for f32 and bf16 inputs, ragged shapes and rows
-// without keys; it writes nothing past out. A finite value beyond bf16's
-// range (reachable only from f32 inputs: bf16 v bounds out) is reported,
-// not stored as an infinity.
+// without keys; it writes nothing past out. Also into a padded [B, H, Sq,
+// Dv] layout with sinks, where it must equal FlashForward then ApplySinks
+// (the f32 path of AttentionForward), rounded, and leave the padding alone;
+// and with no keys at all. A finite value beyond bf16's range (reachable
+// only from f32 inputs: bf16 v bounds out) is reported, not stored as an
+// infinity.
 TEST(FlashTest, Bf16OutEqualsRoundedF32OutAndReportsOverflow) {
+  constexpr uint16_t kCanary = 0xABCD;
+  const float inf = std::numeric_limits<float>::infinity();
+  const std::vector<float> sinks = {0.5f, -2.0f, 3.0f, -inf};  // [H]; -inf: no sink
   for (KernelPath path : SupportedKernelPaths()) {
     for (DType dtype : {DType::kF32, DType::kBF16}) {
-      ProblemSpec spec(2, 37, 53, 4, 2, 32, 24);
-      spec.dtype = dtype;
-      Problem prob(600, spec);
-      RunConfig s;
-      s.path = path;
-      s.mask = Mask::Causal(-5);  // the first five rows see no key
-      const FlashParams p = prob.Params(s);
-      ThreadPool pool(2);
-      const auto n = static_cast<size_t>(spec.b * spec.sq * spec.h * spec.dv);
-      const auto rows = static_cast<size_t>(spec.b * spec.h * spec.sq);
-      std::vector<float> out(n), lse(rows), lse_bf(rows);
-      kernels::FlashForward(p, pool, out.data(), lse.data(), nullptr);
-      constexpr uint16_t kCanary = 0xABCD;
-      std::vector<uint16_t> bf(n + 16, kCanary);
-      ASSERT_TRUE(kernels::FlashForwardBf16Out(p, pool, bf.data(), lse_bf.data(), nullptr));
-      const std::string what = std::string(KernelPathName(path)) + " " + DTypeName(dtype);
-      for (size_t i = 0; i < n; ++i) ASSERT_EQ(bf[i], F32ToBF16(out[i])) << what << " " << i;
-      for (size_t i = n; i < bf.size(); ++i) ASSERT_EQ(bf[i], kCanary) << what << " past out";
-      EXPECT_EQ(std::memcmp(lse.data(), lse_bf.data(), rows * sizeof(float)), 0) << what;
+      for (const bool bhsd : {false, true}) {
+        ProblemSpec spec(2, 37, 53, 4, 2, 32, 24);
+        spec.dtype = dtype;
+        Problem prob(600, spec);
+        RunConfig s;
+        s.path = path;
+        s.mask = Mask::Causal(-5);  // the first five rows see no key
+        FlashParams p = prob.Params(s);
+        ThreadPool pool(2);
+        const int64_t n = spec.b * spec.sq * spec.h * spec.dv;
+        const auto rows = static_cast<size_t>(spec.b * spec.h * spec.sq);
+        std::vector<float> out(static_cast<size_t>(n)), lse(rows), lse_bf(rows);
+        kernels::Bf16Out direct;
+        std::vector<uint16_t> bf;
+        const int64_t ld = bhsd ? spec.dv + 3 : spec.dv;  // bhsd: rows padded by 3
+        if (bhsd) {
+          direct.stride[0] = spec.h * spec.sq * ld;
+          direct.stride[1] = ld;
+          direct.stride[2] = spec.sq * ld;
+          direct.sinks = sinks.data();
+          bf.assign(static_cast<size_t>(spec.b * spec.h * spec.sq * ld + 16), kCanary);
+        } else {
+          direct.stride[0] = spec.sq * spec.h * spec.dv;
+          direct.stride[1] = spec.h * spec.dv;
+          direct.stride[2] = spec.dv;
+          bf.assign(static_cast<size_t>(n + 16), kCanary);
+        }
+        direct.data = bf.data();
+        for (const bool empty : {false, true}) {
+          if (empty && !bhsd) continue;
+          if (empty) {  // no keys at all: every row's denominator is its sink
+            p.k.shape[1] = 0;
+            p.v.shape[1] = 0;
+          }
+          kernels::FlashForward(p, pool, out.data(), lse.data(), nullptr);
+          if (bhsd) {
+            kernels::ApplySinks({spec.b, spec.sq, spec.h, spec.dv}, out.data(), lse.data(),
+                                sinks.data());
+          }
+          ASSERT_TRUE(kernels::FlashForwardBf16Out(p, pool, direct, lse_bf.data(), nullptr));
+          const std::string what = std::string(KernelPathName(path)) + " " + DTypeName(dtype) +
+                                   (bhsd ? " bhsd with sinks" : "") + (empty ? " no keys" : "");
+          std::vector<bool> written(bf.size(), false);
+          for (int64_t b = 0; b < spec.b; ++b) {
+            for (int64_t i = 0; i < spec.sq; ++i) {
+              for (int64_t h = 0; h < spec.h; ++h) {
+                for (int64_t c = 0; c < spec.dv; ++c) {
+                  const int64_t at =
+                      b * direct.stride[0] + i * direct.stride[1] + h * direct.stride[2] + c;
+                  const float want =
+                      out[static_cast<size_t>(((b * spec.sq + i) * spec.h + h) * spec.dv + c)];
+                  ASSERT_EQ(bf[static_cast<size_t>(at)], F32ToBF16(want))
+                      << what << " b " << b << " i " << i << " h " << h << " c " << c;
+                  written[static_cast<size_t>(at)] = true;
+                }
+              }
+            }
+          }
+          for (size_t i = 0; i < bf.size(); ++i) {
+            if (!written[i]) {
+              ASSERT_EQ(bf[i], kCanary) << what << " padding or past out, " << i;
+            }
+          }
+          EXPECT_EQ(std::memcmp(lse.data(), lse_bf.data(), rows * sizeof(float)), 0) << what;
+        }
+      }
     }
   }
   ProblemSpec spec(1, 4, 1, 1, 1, 16, 16);  // one key: out = v exactly
@@ -631,8 +684,9 @@ TEST(FlashTest, Bf16OutEqualsRoundedF32OutAndReportsOverflow) {
   ThreadPool pool(1);
   std::vector<uint16_t> bf(16 * 4);
   std::vector<float> lse(4);
+  const kernels::Bf16Out direct{.data = bf.data(), .stride = {64, 16, 16}, .sinks = nullptr};
   EXPECT_FALSE(
-      kernels::FlashForwardBf16Out(prob.Params(RunConfig{}), pool, bf.data(), lse.data(), nullptr));
+      kernels::FlashForwardBf16Out(prob.Params(RunConfig{}), pool, direct, lse.data(), nullptr));
 }
 
 TEST(FlashTest, ShiftedGlobalPositionsAndEmptyKv) {

@@ -16,6 +16,7 @@
 // depend on a poisoned input are overwritten with NaN.
 #include "ringsplash/attention.h"
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstring>
@@ -25,6 +26,7 @@
 #include <mutex>
 #include <numeric>
 #include <optional>
+#include <utility>
 #include <vector>
 
 #include "ringsplash/error.h"
@@ -142,6 +144,23 @@ void Prepare(const AttentionInputs& in, const AttentionOptions& opt, const Atten
 
 bool IsF32Contiguous(const TensorView& t) { return t.dtype == DType::kF32 && t.is_contiguous(); }
 
+// Whether no two elements of t share memory because its dims nest: taken by
+// increasing stride, each dim's stride is at least the extent of the ones
+// before it (dense layouts in any dim order, and padded ones).
+bool NestedStrides(const TensorView& t) {
+  std::vector<std::pair<int64_t, int64_t>> dims;  // (stride, size) of dims of size > 1
+  for (int i = 0; i < t.ndim; ++i) {
+    if (t.shape[i] > 1) dims.emplace_back(t.stride[i], t.shape[i]);
+  }
+  std::sort(dims.begin(), dims.end());
+  int64_t extent = 1;  // elements spanned by the dims so far
+  for (const auto& [stride, size] : dims) {
+    if (stride < extent) return false;
+    extent = stride * (size - 1) + extent;
+  }
+  return true;
+}
+
 // An f32 contiguous buffer of `shape` for a result that ends up in `user`
 // (the argument `what`): the user's own memory when it is already f32
 // contiguous, else scratch that Finish() converts into it — throwing Error if
@@ -226,11 +245,12 @@ void AttentionForward(const AttentionInputs& in, const AttentionOptions& opt, Te
   Prepare(in, opt, dims, pr);
   PoolLease lease(opt.num_threads);
   const std::vector<int64_t> out_shape = {dims.b, dims.sq, dims.h, dims.dv};
-  // A bf16 contiguous out without sinks (which rescale finished rows) is
-  // written by the kernel directly: no f32 copy of out (twice its bytes).
-  // The f32 scratch then exists only if the call has to be redone.
-  const bool direct_bf16 =
-      out.dtype == DType::kBF16 && out.is_contiguous() && pr.sinks.empty() && out.numel() > 0;
+  // A bf16 out (rows of unit stride, elements certainly distinct) is written
+  // by the kernel directly, sinks applied to each finished row: no f32 copy
+  // of out (twice its bytes). The f32 scratch then exists only if the call
+  // has to be redone.
+  const bool direct_bf16 = out.dtype == DType::kBF16 && out.numel() > 0 &&
+                           (out.shape[3] == 1 || out.stride[3] == 1) && NestedStrides(out);
   std::optional<F32Buffer> out32;
   if (!direct_bf16) out32.emplace(out, out_shape, /*zero=*/false, "out");
   F32Buffer lse32(lse, {dims.b, dims.h, dims.sq}, /*zero=*/false, "lse");
@@ -246,8 +266,10 @@ void AttentionForward(const AttentionInputs& in, const AttentionOptions& opt, Te
   pr.params.non_finite = &met_non_finite;
   bool redo = false;
   if (direct_bf16) {
-    redo = !kernels::FlashForwardBf16Out(pr.params, lease.pool(), static_cast<uint16_t*>(out.data),
-                                         lse32.get(), &local);
+    const kernels::Bf16Out direct{.data = static_cast<uint16_t*>(out.data),
+                                  .stride = {out.stride[0], out.stride[1], out.stride[2]},
+                                  .sinks = pr.sinks.empty() ? nullptr : pr.sinks.data()};
+    redo = !kernels::FlashForwardBf16Out(pr.params, lease.pool(), direct, lse32.get(), &local);
   } else {
     kernels::FlashForward(pr.params, lease.pool(), out32->get(), lse32.get(), &local);
   }
@@ -264,7 +286,8 @@ void AttentionForward(const AttentionInputs& in, const AttentionOptions& opt, Te
     local = KernelStats();
     kernels::FlashForward(pr.params, lease.pool(), out32->get(), lse32.get(), &local);
   }
-  if (!pr.sinks.empty()) {
+  // (Only on the f32 path: a direct bf16 out has its sinks already.)
+  if (!pr.sinks.empty() && out32) {
     kernels::ApplySinks(RowShapeOf(dims), out32->get(), lse32.get(), pr.sinks.data());
   }
   if (scan.any()) {

@@ -50,13 +50,25 @@ struct FlashParams {
 void FlashForward(const FlashParams& p, ThreadPool& pool, float* out, float* lse,
                   KernelStats* stats);
 
+// A bf16 out that FlashForwardBf16Out writes directly: element (b, i, h, c)
+// at data[b * stride[0] + i * stride[1] + h * stride[2] + c] (strides in
+// elements, unit stride over Dv). With `sinks` ([H], or null) every finished
+// row also gets its head's sink logit in the denominator (ApplySinks, the
+// same f32 operations on the row before it is rounded).
+struct Bf16Out {
+  uint16_t* data = nullptr;
+  int64_t stride[3] = {0, 0, 0};
+  const float* sinks = nullptr;
+};
+
 // FlashForward with out written as bf16 (rounded to nearest even) straight
-// into out_bf16 [B, Sq, H, Dv] contiguous: no f32 copy of out, twice out's
-// bytes, for callers that want bf16 anyway. Returns false if a finite result
-// rounded to a bf16 infinity (|out| beyond bf16's range, only possible when
-// |v| reaches it); out_bf16 is then incomplete and the caller redoes the
-// call in f32 (for its error message).
-bool FlashForwardBf16Out(const FlashParams& p, ThreadPool& pool, uint16_t* out_bf16, float* lse,
+// into `out` [B, Sq, H, Dv]: no f32 copy of out, twice out's bytes, for
+// callers that want bf16 anyway. Equals rounding FlashForward's out (then
+// ApplySinks's, with sinks; lse then includes them too). Returns false if a
+// finite result rounded to a bf16 infinity (|out| beyond bf16's range, only
+// possible when |v| reaches it); out is then incomplete and the caller
+// redoes the call in f32 (for its error message).
+bool FlashForwardBf16Out(const FlashParams& p, ThreadPool& pool, const Bf16Out& out, float* lse,
                          KernelStats* stats);
 
 // Backward contribution of this (q, k/v) pair, ACCUMULATED (+=) into f32

@@ -150,13 +150,17 @@ void StreamFence() {
 #endif
 }
 
-// Where FinishRows writes out rows: f32 (`f32`, merged into when merging),
-// or, not merging, bf16 (`bf16`, f32 null); `overflow` is set if a finite
-// value rounded to a bf16 infinity.
+// Where FinishRows writes out rows: f32 (`f32`, contiguous, merged into when
+// merging), or, not merging, bf16 (`bf16.data`, f32 null, with its strides
+// and sinks); `overflow` is set if a finite value rounded to a bf16 infinity.
 struct OutRows {
   float* f32 = nullptr;
-  uint16_t* bf16 = nullptr;
+  Bf16Out bf16;
   std::atomic<bool>* overflow = nullptr;
+
+  uint16_t* Bf16Row(int64_t b, int64_t i, int64_t h) const {
+    return bf16.data + b * bf16.stride[0] + i * bf16.stride[1] + h * bf16.stride[2];
+  }
 };
 
 // Row i (dv values, already scaled, in a) as bf16 into dst.
@@ -172,8 +176,9 @@ void StoreRowBf16(const float* a, int64_t dv, uint16_t* dst, std::atomic<bool>* 
 // out = acc / l and lse = m + log(l) for the task's rows (0 and -inf for a
 // row without keys); with `merge`, that partial result is merged into the
 // rows' existing (out, lse) by MergePartial, one row at a time; with a bf16
-// out, it is rounded into it. `stream`: f32 out rows written with
-// non-temporal stores (ForwardCall::stream_, never when merging or rounding).
+// out, its sink (if any) is applied and it is rounded into it. `stream`: f32
+// out rows written with non-temporal stores (ForwardCall::stream_, never
+// when merging or rounding).
 void FinishRows(const Geometry& g, int64_t b, int64_t h, int64_t qb, int64_t m, BlockState& ws,
                 bool merge, bool stream, const OutRows& out, float* lse) {
   for (int64_t i = 0; i < m; ++i) {
@@ -183,7 +188,8 @@ void FinishRows(const Geometry& g, int64_t b, int64_t h, int64_t qb, int64_t m, 
     float* a = ws.acc.data() + i * g.ld_dv;
     // The row's partial result; in place of its accumulator when merging or
     // rounding to bf16.
-    float* part = merge || out.bf16 != nullptr ? a : out.f32 + at;
+    const bool bf16 = out.bf16.data != nullptr;
+    float* part = merge || bf16 ? a : out.f32 + at;
     float part_lse = kNegInf;
     const float l = ws.row_sum[i];
     if (l > 0.0f) {
@@ -195,8 +201,11 @@ void FinishRows(const Geometry& g, int64_t b, int64_t h, int64_t qb, int64_t m, 
     if (merge) {
       MergePartial(RowShape{1, 1, 1, g.dv}, out.f32 + at, l_out, part, &part_lse);
     } else {
+      if (bf16 && out.bf16.sinks != nullptr) {
+        ApplySinks(RowShape{1, 1, 1, g.dv}, part, &part_lse, out.bf16.sinks + h);
+      }
       *l_out = part_lse;
-      if (out.bf16 != nullptr) StoreRowBf16(part, g.dv, out.bf16 + at, out.overflow);
+      if (bf16) StoreRowBf16(part, g.dv, out.Bf16Row(b, row, h), out.overflow);
     }
   }
 }
@@ -453,13 +462,21 @@ void Forward(const FlashParams& p, ThreadPool& pool, bool merge, const OutRows& 
   if (g.b == 0 || g.sq == 0 || g.h == 0) return;
   if (g.skv == 0) {  // nothing to attend to: every row is empty
     if (merge) return;
-    const auto n = static_cast<size_t>(g.b * g.sq * g.h * g.dv);
-    if (out.bf16 != nullptr) {
-      std::memset(out.bf16, 0, n * sizeof(uint16_t));
-    } else {
-      std::memset(out.f32, 0, n * sizeof(float));
+    if (out.bf16.data == nullptr) {
+      std::memset(out.f32, 0, static_cast<size_t>(g.b * g.sq * g.h * g.dv) * sizeof(float));
+      for (int64_t i = 0; i < g.b * g.h * g.sq; ++i) lse[i] = kNegInf;
+      return;
     }
-    for (int64_t i = 0; i < g.b * g.h * g.sq; ++i) lse[i] = kNegInf;
+    // bf16: with sinks, each row's denominator is its sink alone.
+    for (int64_t b = 0; b < g.b; ++b) {
+      for (int64_t h = 0; h < g.h; ++h) {
+        const float l = out.bf16.sinks != nullptr ? out.bf16.sinks[h] : kNegInf;
+        for (int64_t i = 0; i < g.sq; ++i) {
+          std::memset(out.Bf16Row(b, i, h), 0, static_cast<size_t>(g.dv) * sizeof(uint16_t));
+          lse[(b * g.h + h) * g.sq + i] = l;
+        }
+      }
+    }
     return;
   }
   ForwardCall(p, g, pool, merge, out, lse).Run(stats);
@@ -469,19 +486,21 @@ void Forward(const FlashParams& p, ThreadPool& pool, bool merge, const OutRows& 
 
 void FlashForward(const FlashParams& p, ThreadPool& pool, float* out, float* lse,
                   KernelStats* stats) {
-  Forward(p, pool, /*merge=*/false, OutRows{.f32 = out}, lse, stats);
+  Forward(p, pool, /*merge=*/false, OutRows{.f32 = out, .bf16 = {}, .overflow = nullptr}, lse,
+          stats);
 }
 
-bool FlashForwardBf16Out(const FlashParams& p, ThreadPool& pool, uint16_t* out_bf16, float* lse,
+bool FlashForwardBf16Out(const FlashParams& p, ThreadPool& pool, const Bf16Out& out, float* lse,
                          KernelStats* stats) {
   std::atomic<bool> overflow{false};
-  Forward(p, pool, /*merge=*/false, OutRows{.bf16 = out_bf16, .overflow = &overflow}, lse, stats);
+  Forward(p, pool, /*merge=*/false, OutRows{.bf16 = out, .overflow = &overflow}, lse, stats);
   return !overflow.load();
 }
 
 void FlashForwardMerge(const FlashParams& p, ThreadPool& pool, float* out, float* lse,
                        KernelStats* stats) {
-  Forward(p, pool, /*merge=*/true, OutRows{.f32 = out}, lse, stats);
+  Forward(p, pool, /*merge=*/true, OutRows{.f32 = out, .bf16 = {}, .overflow = nullptr}, lse,
+          stats);
 }
 
 }  // namespace ringsplash::kernels
