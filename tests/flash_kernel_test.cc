@@ -767,7 +767,7 @@ TEST(FlashTest, BitwiseIdenticalAcrossThreadCounts) {
       s.mask = Mask::Causal(20);
       s.threads = 1;
       const Result r1 = prob.Run(s, true);
-      for (int threads : {2, 3}) {
+      for (int threads : {2, 3, 7}) {  // 7: two passes
         s.threads = threads;
         const Result rn = prob.Run(s, true);
         EXPECT_TRUE(BitwiseEqual(r1, rn));
@@ -779,8 +779,8 @@ TEST(FlashTest, BitwiseIdenticalAcrossThreadCounts) {
 // The backward splits each kv head's group of query heads into parts when
 // there are fewer than 16 (batch, kv head) pairs (MQA, small batches), so
 // that its one-pass schedule has enough tasks. Each split: gradients against
-// the reference, and bitwise the same on 1 to 4 threads, i.e. through both
-// schedules (8 tasks on 3 threads take the two-pass one).
+// the reference, and bitwise the same on 1 to 4 and 7 threads, i.e. through
+// both schedules (8 or 16 tasks on 7 threads take the two-pass one).
 TEST(FlashTest, BackwardHeadPartsMatchReferenceOnAnyThreadCount) {
   struct Case {
     Shape shape;
@@ -806,8 +806,9 @@ TEST(FlashTest, BackwardHeadPartsMatchReferenceOnAnyThreadCount) {
         const kernels::Geometry g = kernels::Geometry::Of(prob.Params(s));
         EXPECT_EQ(kernels::BackwardHeadParts(g), c.parts);
         const Result r1 = prob.Run(s, true);
-        for (int threads : {2, 3, 4}) {
+        for (int threads : {2, 3, 4, 7}) {
           s.threads = threads;
+          EXPECT_EQ(kernels::BackwardInOnePass(g, threads), threads != 7);
           const Result rn = prob.Run(s, true);
           EXPECT_TRUE(BitwiseEqual(r1, rn))
               << KernelPathName(path) << " " << DTypeName(dtype) << " parts " << c.parts << ", "

@@ -270,8 +270,10 @@ T* Grow(AlignedBuffer<T>& buf, int64_t n) {
 int64_t BackwardHeadParts(const Geometry& g);
 
 // Whether FlashBackward runs its one-pass schedule (tasks per (batch, kv
-// head, head part)) for `threads` workers rather than two passes. Both give
-// bitwise identical results; only the FLOPs spent (KernelStats::flops) differ.
+// head, head part)) for `threads` workers rather than two passes: when the
+// tasks share out over the threads with at most 1.25x imbalance (two passes
+// cost 1.4x the products). Both give bitwise identical results; only the
+// FLOPs spent (KernelStats::flops) differ.
 bool BackwardInOnePass(const Geometry& g, int threads);
 
 // Integer counters per worker; Total() sums them in worker order.
