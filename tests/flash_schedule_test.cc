@@ -1,0 +1,233 @@
+// The flash kernels' schedules: block sparsity and FLOP counts, results
+// bitwise independent of the thread count (and of which schedule the thread
+// count picks), the backward's head parts, stacked query heads for short
+// query blocks, merging forwards, block-size invariance. Numeric checks
+// compare against the f64 reference (tests/support/reference.h) or against
+// another run of the same kernel where the claim is invariance.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <numeric>
+#include <string>
+#include <vector>
+
+#include "ringsplash/attention.h"
+#include "src/kernels/combine.h"
+#include "src/kernels/flash.h"
+#include "src/kernels/flash_common.h"
+#include "src/kernels/flash_merge.h"
+#include "src/kernels/thread_pool.h"
+#include "tests/support/flash_problem.h"
+#include "tests/support/reference.h"
+#include "tests/support/test_util.h"
+
+namespace ringsplash {
+namespace {
+
+using kernels::FlashParams;
+using kernels::ThreadPool;
+using testing::BitwiseEqual;
+using testing::CheckAgainstReference;
+using testing::ExpectClose;
+using testing::ExpectGradients;
+using testing::Iota;
+using testing::kF32Tol;
+using testing::Problem;
+using testing::ProblemSpec;
+using testing::Result;
+using testing::RoundsP;
+using testing::RunConfig;
+using testing::Shape;
+using testing::SliceRows;
+using testing::SpecOf;
+using testing::ToDoubleVec;
+
+// --- Block sparsity, determinism, block-size invariance -----------------------
+
+TEST(FlashTest, CausalSkipsEmptyTilesAndCountsFlops) {
+  // S = 256, blocks 32 x 32: per (b, h) 8 x 8 tiles; causal computes the 36 on
+  // or below the diagonal (8 partial diagonal ones) and skips 28.
+  ProblemSpec spec(2, 256, 256, 2, 1, 16, 32);
+  Problem prob(600, spec);
+  for (KernelPath path : SupportedKernelPaths()) {
+    RunConfig s;
+    s.path = path;
+    s.mask = Mask::Causal();
+    const Result r = prob.Run(s, true);
+    const int64_t heads = spec.b * spec.h;
+    for (const KernelStats* st : {&r.fwd_stats, &r.bwd_stats}) {
+      EXPECT_EQ(st->computed_blocks, heads * 36);
+      EXPECT_EQ(st->partial_blocks, heads * 8);
+      EXPECT_EQ(st->full_blocks, heads * 28);
+      EXPECT_EQ(st->skipped_blocks, heads * 28);
+    }
+    const double tile = 32.0 * 32.0;
+    EXPECT_EQ(r.fwd_stats.flops, heads * 36 * 2 * tile * (spec.d + spec.dv));
+    const kernels::Geometry g = kernels::Geometry::Of(prob.Params(s));
+    if (kernels::BackwardInOnePass(g, s.threads)) {  // S, dP, dV, dK, dQ once
+      EXPECT_EQ(r.bwd_stats.flops, heads * 36 * 2 * tile * (3.0 * spec.d + 2.0 * spec.dv));
+    } else {  // dK/dV pass: S, dP, dV, dK; dQ pass: S, dP, dQ.
+      EXPECT_EQ(r.bwd_stats.flops,
+                heads * 36 * tile * (4.0 * (spec.d + spec.dv) + 2.0 * (2 * spec.d + spec.dv)));
+    }
+  }
+}
+
+TEST(FlashTest, BitwiseIdenticalAcrossThreadCounts) {
+  for (KernelPath path : SupportedKernelPaths()) {
+    for (DType dtype : {DType::kF32, DType::kBF16}) {
+      ProblemSpec spec(2, 100, 90, 4, 2, 32, 32);
+      spec.dtype = dtype;
+      spec.segments = true;
+      Problem prob(700, spec);
+      RunConfig s;
+      s.path = path;
+      s.mask = Mask::Causal(20);
+      s.threads = 1;
+      const Result r1 = prob.Run(s, true);
+      for (int threads : {2, 3, 7}) {  // 7: two passes
+        s.threads = threads;
+        const Result rn = prob.Run(s, true);
+        EXPECT_TRUE(BitwiseEqual(r1, rn));
+      }
+    }
+  }
+}
+
+// The backward splits each kv head's group of query heads into parts when
+// there are fewer than 16 (batch, kv head) pairs (MQA, small batches), so
+// that its one-pass schedule has enough tasks. Each split: gradients against
+// the reference, and bitwise the same on 1 to 4 and 7 threads, i.e. through
+// both schedules (8 or 16 tasks on 7 threads take the two-pass one).
+TEST(FlashTest, BackwardHeadPartsMatchReferenceOnAnyThreadCount) {
+  struct Case {
+    Shape shape;
+    int64_t parts;  // the documented rule: the smallest divisor of the group
+                    // giving >= 16 tasks, else the whole group
+  };
+  const std::vector<Case> cases = {
+      {{2, 40, 50, 16, 8, 16, 16}, 1},  // 16 pairs: groups of 2 stay whole
+      {{2, 40, 50, 16, 4, 16, 24}, 2},  // 8 pairs: groups of 4 in halves
+      {{1, 40, 50, 8, 1, 16, 16}, 8},   // MQA: every query head its own part
+  };
+  uint64_t seed = 720;
+  for (const Case& c : cases) {
+    for (KernelPath path : SupportedKernelPaths()) {
+      for (DType dtype : {DType::kF32, DType::kBF16}) {
+        RunConfig s;
+        s.path = path;
+        s.mask = Mask::Causal(5);
+        s.blocks = {16, 16};
+        s.threads = 1;
+        CheckAgainstReference(c.shape, dtype, s, /*segments=*/false, ++seed);
+        Problem prob(seed, SpecOf(c.shape, dtype));
+        const kernels::Geometry g = kernels::Geometry::Of(prob.Params(s));
+        EXPECT_EQ(kernels::BackwardHeadParts(g), c.parts);
+        const Result r1 = prob.Run(s, true);
+        for (int threads : {2, 3, 4, 7}) {
+          s.threads = threads;
+          EXPECT_EQ(kernels::BackwardInOnePass(g, threads), threads != 7);
+          const Result rn = prob.Run(s, true);
+          EXPECT_TRUE(BitwiseEqual(r1, rn))
+              << KernelPathName(path) << " " << DTypeName(dtype) << " parts " << c.parts << ", "
+              << threads << " threads";
+        }
+      }
+    }
+  }
+  // The rule on long sequences, where the parts' dK/dV buffers ((parts - 1)
+  // x 128 MiB here) must stay within one f32 copy of q (512 MiB): MQA at S =
+  // 131072 takes 4 parts, not 8; 16 pairs take none.
+  kernels::Geometry big;
+  big.b = 1;
+  big.sq = big.skv = 131072;
+  big.h = 8;
+  big.hkv = 1;
+  big.group = 8;
+  big.d = big.dv = 128;
+  EXPECT_EQ(kernels::BackwardHeadParts(big), 4);
+  big.sq = big.skv = 1024;  // small: the whole group
+  EXPECT_EQ(kernels::BackwardHeadParts(big), 8);
+  big.b = 16;
+  EXPECT_EQ(kernels::BackwardHeadParts(big), 1);
+  big.b = 2;
+  big.h = 16;
+  big.hkv = 4;
+  big.group = 4;
+  EXPECT_EQ(kernels::BackwardHeadParts(big), 2);
+
+  // MQA on 2 threads: one pass (the five products once per tile).
+  ProblemSpec spec(1, 64, 64, 8, 1, 16, 16);
+  Problem prob(730, spec);
+  RunConfig s;
+  s.blocks = {16, 16};
+  s.threads = 2;
+  EXPECT_TRUE(kernels::BackwardInOnePass(kernels::Geometry::Of(prob.Params(s)), 2));
+  const Result r = prob.Run(s, true);
+  const double tiles = 8.0 * 4 * 4;
+  EXPECT_EQ(r.bwd_stats.flops, tiles * 2 * 16 * 16 * (3.0 * 16 + 2.0 * 16));
+}
+
+TEST(FlashTest, ForwardMergeEqualsForwardThenMergePartial) {
+  ProblemSpec spec(2, 70, 90, 4, 2, 32, 48);
+  Problem prob(900, spec);
+  for (KernelPath path : SupportedKernelPaths()) {
+    RunConfig s;
+    s.path = path;
+    s.mask = Mask::Causal(-10);  // early queries see nothing of the first slice
+    const FlashParams p = prob.Params(s);
+    const int64_t split = 37;
+    FlashParams a = p, b = p;
+    a.k = SliceRows(p.k, 0, split);
+    a.v = SliceRows(p.v, 0, split);
+    b.k = SliceRows(p.k, split, spec.skv - split);
+    b.v = SliceRows(p.v, split, spec.skv - split);
+    b.kv_pos = p.kv_pos + split;
+    const size_t out_n = static_cast<size_t>(spec.b * spec.sq * spec.h * spec.dv);
+    const size_t lse_n = static_cast<size_t>(spec.b * spec.h * spec.sq);
+    ThreadPool pool(2);
+    // Expected: forward of each slice, then MergePartial.
+    std::vector<float> out(out_n), lse(lse_n), part(out_n), part_lse(lse_n);
+    kernels::FlashForward(a, pool, out.data(), lse.data(), nullptr);
+    std::vector<float> merged = out, merged_lse = lse;
+    kernels::FlashForward(b, pool, part.data(), part_lse.data(), nullptr);
+    kernels::MergePartial({spec.b, spec.sq, spec.h, spec.dv}, out.data(), lse.data(), part.data(),
+                          part_lse.data());
+    kernels::FlashForwardMerge(b, pool, merged.data(), merged_lse.data(), nullptr);
+    EXPECT_EQ(std::memcmp(out.data(), merged.data(), out_n * 4), 0) << KernelPathName(path);
+    EXPECT_EQ(std::memcmp(lse.data(), merged_lse.data(), lse_n * 4), 0) << KernelPathName(path);
+    // And both equal the forward over all keys (f32 rounding of the merge).
+    std::vector<float> whole(out_n), whole_lse(lse_n);
+    kernels::FlashForward(p, pool, whole.data(), whole_lse.data(), nullptr);
+    ExpectClose(merged, ToDoubleVec(whole), kF32Tol, "merged out");
+    ExpectClose(merged_lse, ToDoubleVec(whole_lse), kF32Tol, "merged lse");
+  }
+}
+
+TEST(FlashTest, BlockSizesChangeResultsOnlyByRounding) {
+  ProblemSpec spec(1, 130, 150, 2, 1, 64, 64);
+  spec.segments = true;
+  Problem prob(800, spec);
+  for (KernelPath path : SupportedKernelPaths()) {
+    RunConfig s;
+    s.path = path;
+    s.mask = Mask::Causal(10) | Mask::Local(3, 3);
+    s.blocks = {16, 16};
+    const Result a = prob.Run(s, true);
+    for (BlockSizes bs : {BlockSizes{64, 128}, BlockSizes{48, 32}, BlockSizes{256, 256}}) {
+      s.blocks = bs;
+      const Result b = prob.Run(s, true);
+      // Both are f32 computations of the same sums in different orders.
+      ExpectClose(b.out, ToDoubleVec(a.out), kF32Tol, "out");
+      ExpectClose(b.lse, ToDoubleVec(a.lse), kF32Tol, "lse");
+      ExpectClose(b.dq, ToDoubleVec(a.dq), kF32Tol, "dq");
+      ExpectClose(b.dk, ToDoubleVec(a.dk), kF32Tol, "dk");
+      ExpectClose(b.dv, ToDoubleVec(a.dv), kF32Tol, "dv");
+    }
+  }
+}
+
+}  // namespace
+}  // namespace ringsplash
