@@ -376,69 +376,73 @@ TEST(FlashTest, Bf16OutEqualsRoundedF32OutAndReportsOverflow) {
   for (KernelPath path : SupportedKernelPaths()) {
     for (DType dtype : {DType::kF32, DType::kBF16}) {
       for (const bool bhsd : {false, true}) {
-        ProblemSpec spec(2, 37, 53, 4, 2, 32, 24);
-        spec.dtype = dtype;
-        Problem prob(600, spec);
-        RunConfig s;
-        s.path = path;
-        s.mask = Mask::Causal(-5);  // the first five rows see no key
-        FlashParams p = prob.Params(s);
-        ThreadPool pool(2);
-        const int64_t n = spec.b * spec.sq * spec.h * spec.dv;
-        const auto rows = static_cast<size_t>(spec.b * spec.h * spec.sq);
-        std::vector<float> out(static_cast<size_t>(n)), lse(rows), lse_bf(rows);
-        kernels::Bf16Out direct;
-        std::vector<uint16_t> bf;
-        const int64_t ld = bhsd ? spec.dv + 3 : spec.dv;  // bhsd: rows padded by 3
-        if (bhsd) {
-          direct.stride[0] = spec.h * spec.sq * ld;
-          direct.stride[1] = ld;
-          direct.stride[2] = spec.sq * ld;
-          direct.sinks = sinks.data();
-          bf.assign(static_cast<size_t>(spec.b * spec.h * spec.sq * ld + 16), kCanary);
-        } else {
-          direct.stride[0] = spec.sq * spec.h * spec.dv;
-          direct.stride[1] = spec.h * spec.dv;
-          direct.stride[2] = spec.dv;
-          bf.assign(static_cast<size_t>(n + 16), kCanary);
-        }
-        direct.data = bf.data();
-        for (const bool empty : {false, true}) {
-          if (empty && !bhsd) continue;
-          if (empty) {  // no keys at all: every row's denominator is its sink
-            p.k.shape[1] = 0;
-            p.v.shape[1] = 0;
-          }
-          kernels::FlashForward(p, pool, out.data(), lse.data(), nullptr);
+        // Sq = 7: stacked query heads (flash_stacked.h), sinks by head too.
+        for (const int64_t sq : {37, 7}) {
+          ProblemSpec spec(2, sq, 53, 4, 2, 32, 24);
+          spec.dtype = dtype;
+          Problem prob(600, spec);
+          RunConfig s;
+          s.path = path;
+          s.mask = Mask::Causal(-5);  // the first five rows see no key
+          FlashParams p = prob.Params(s);
+          ThreadPool pool(2);
+          const int64_t n = spec.b * spec.sq * spec.h * spec.dv;
+          const auto rows = static_cast<size_t>(spec.b * spec.h * spec.sq);
+          std::vector<float> out(static_cast<size_t>(n)), lse(rows), lse_bf(rows);
+          kernels::Bf16Out direct;
+          std::vector<uint16_t> bf;
+          const int64_t ld = bhsd ? spec.dv + 3 : spec.dv;  // bhsd: rows padded by 3
           if (bhsd) {
-            kernels::ApplySinks({spec.b, spec.sq, spec.h, spec.dv}, out.data(), lse.data(),
-                                sinks.data());
+            direct.stride[0] = spec.h * spec.sq * ld;
+            direct.stride[1] = ld;
+            direct.stride[2] = spec.sq * ld;
+            direct.sinks = sinks.data();
+            bf.assign(static_cast<size_t>(spec.b * spec.h * spec.sq * ld + 16), kCanary);
+          } else {
+            direct.stride[0] = spec.sq * spec.h * spec.dv;
+            direct.stride[1] = spec.h * spec.dv;
+            direct.stride[2] = spec.dv;
+            bf.assign(static_cast<size_t>(n + 16), kCanary);
           }
-          ASSERT_TRUE(kernels::FlashForwardBf16Out(p, pool, direct, lse_bf.data(), nullptr));
-          const std::string what = std::string(KernelPathName(path)) + " " + DTypeName(dtype) +
-                                   (bhsd ? " bhsd with sinks" : "") + (empty ? " no keys" : "");
-          std::vector<bool> written(bf.size(), false);
-          for (int64_t b = 0; b < spec.b; ++b) {
-            for (int64_t i = 0; i < spec.sq; ++i) {
-              for (int64_t h = 0; h < spec.h; ++h) {
-                for (int64_t c = 0; c < spec.dv; ++c) {
-                  const int64_t at =
-                      b * direct.stride[0] + i * direct.stride[1] + h * direct.stride[2] + c;
-                  const float want =
-                      out[static_cast<size_t>(((b * spec.sq + i) * spec.h + h) * spec.dv + c)];
-                  ASSERT_EQ(bf[static_cast<size_t>(at)], F32ToBF16(want))
-                      << what << " b " << b << " i " << i << " h " << h << " c " << c;
-                  written[static_cast<size_t>(at)] = true;
+          direct.data = bf.data();
+          for (const bool empty : {false, true}) {
+            if (empty && !bhsd) continue;
+            if (empty) {  // no keys at all: every row's denominator is its sink
+              p.k.shape[1] = 0;
+              p.v.shape[1] = 0;
+            }
+            kernels::FlashForward(p, pool, out.data(), lse.data(), nullptr);
+            if (bhsd) {
+              kernels::ApplySinks({spec.b, spec.sq, spec.h, spec.dv}, out.data(), lse.data(),
+                                  sinks.data());
+            }
+            ASSERT_TRUE(kernels::FlashForwardBf16Out(p, pool, direct, lse_bf.data(), nullptr));
+            const std::string what = std::string(KernelPathName(path)) + " " + DTypeName(dtype) +
+                                     " sq " + std::to_string(sq) +
+                                     (bhsd ? " bhsd with sinks" : "") + (empty ? " no keys" : "");
+            std::vector<bool> written(bf.size(), false);
+            for (int64_t b = 0; b < spec.b; ++b) {
+              for (int64_t i = 0; i < spec.sq; ++i) {
+                for (int64_t h = 0; h < spec.h; ++h) {
+                  for (int64_t c = 0; c < spec.dv; ++c) {
+                    const int64_t at =
+                        b * direct.stride[0] + i * direct.stride[1] + h * direct.stride[2] + c;
+                    const float want =
+                        out[static_cast<size_t>(((b * spec.sq + i) * spec.h + h) * spec.dv + c)];
+                    ASSERT_EQ(bf[static_cast<size_t>(at)], F32ToBF16(want))
+                        << what << " b " << b << " i " << i << " h " << h << " c " << c;
+                    written[static_cast<size_t>(at)] = true;
+                  }
                 }
               }
             }
-          }
-          for (size_t i = 0; i < bf.size(); ++i) {
-            if (!written[i]) {
-              ASSERT_EQ(bf[i], kCanary) << what << " padding or past out, " << i;
+            for (size_t i = 0; i < bf.size(); ++i) {
+              if (!written[i]) {
+                ASSERT_EQ(bf[i], kCanary) << what << " padding or past out, " << i;
+              }
             }
+            EXPECT_EQ(std::memcmp(lse.data(), lse_bf.data(), rows * sizeof(float)), 0) << what;
           }
-          EXPECT_EQ(std::memcmp(lse.data(), lse_bf.data(), rows * sizeof(float)), 0) << what;
         }
       }
     }

@@ -18,6 +18,7 @@
 #include "src/kernels/flash.h"
 #include "src/kernels/flash_common.h"
 #include "src/kernels/flash_merge.h"
+#include "src/kernels/flash_stacked.h"
 #include "src/kernels/thread_pool.h"
 #include "tests/support/flash_problem.h"
 #include "tests/support/reference.h"
@@ -170,39 +171,109 @@ TEST(FlashTest, BackwardHeadPartsMatchReferenceOnAnyThreadCount) {
   EXPECT_EQ(r.bwd_stats.flops, tiles * 2 * 16 * 16 * (3.0 * 16 + 2.0 * 16));
 }
 
-TEST(FlashTest, ForwardMergeEqualsForwardThenMergePartial) {
-  ProblemSpec spec(2, 70, 90, 4, 2, 32, 48);
-  Problem prob(900, spec);
+// Short query blocks with GQA / MQA (decoding, speculative and chunked
+// steps) stack the query heads of each kv group into rows of one q block
+// (flash_stacked.h). Against the reference: decode steps at the end of the
+// keys (a single query, and 5 and 8), causal, windowed and chunked masks,
+// packed documents, every path and dtype; and bitwise the same on 1 to 3
+// threads. (The backward, run too, is not stacked.)
+TEST(FlashTest, StackedHeadsMatchReferenceOnAnyThreadCount) {
+  const std::vector<Shape> shapes = {
+      {1, 1, 90, 6, 1, 16, 16},  // one decoding token, MQA
+      {2, 5, 70, 8, 2, 32, 24},  // groups of 4
+      {1, 8, 50, 4, 2, 48, 80},  // 2 * Sq = the q block
+  };
+  const std::vector<Mask> masks = {Mask::Causal(), Mask::Causal() & Mask::Local(20, 0),
+                                   Mask::ChunkedCausal(24), Mask::Full()};
+  uint64_t seed = 1200;
   for (KernelPath path : SupportedKernelPaths()) {
-    RunConfig s;
-    s.path = path;
-    s.mask = Mask::Causal(-10);  // early queries see nothing of the first slice
-    const FlashParams p = prob.Params(s);
-    const int64_t split = 37;
-    FlashParams a = p, b = p;
-    a.k = SliceRows(p.k, 0, split);
-    a.v = SliceRows(p.v, 0, split);
-    b.k = SliceRows(p.k, split, spec.skv - split);
-    b.v = SliceRows(p.v, split, spec.skv - split);
-    b.kv_pos = p.kv_pos + split;
-    const size_t out_n = static_cast<size_t>(spec.b * spec.sq * spec.h * spec.dv);
-    const size_t lse_n = static_cast<size_t>(spec.b * spec.h * spec.sq);
-    ThreadPool pool(2);
-    // Expected: forward of each slice, then MergePartial.
-    std::vector<float> out(out_n), lse(lse_n), part(out_n), part_lse(lse_n);
-    kernels::FlashForward(a, pool, out.data(), lse.data(), nullptr);
-    std::vector<float> merged = out, merged_lse = lse;
-    kernels::FlashForward(b, pool, part.data(), part_lse.data(), nullptr);
-    kernels::MergePartial({spec.b, spec.sq, spec.h, spec.dv}, out.data(), lse.data(), part.data(),
-                          part_lse.data());
-    kernels::FlashForwardMerge(b, pool, merged.data(), merged_lse.data(), nullptr);
-    EXPECT_EQ(std::memcmp(out.data(), merged.data(), out_n * 4), 0) << KernelPathName(path);
-    EXPECT_EQ(std::memcmp(lse.data(), merged_lse.data(), lse_n * 4), 0) << KernelPathName(path);
-    // And both equal the forward over all keys (f32 rounding of the merge).
-    std::vector<float> whole(out_n), whole_lse(lse_n);
-    kernels::FlashForward(p, pool, whole.data(), whole_lse.data(), nullptr);
-    ExpectClose(merged, ToDoubleVec(whole), kF32Tol, "merged out");
-    ExpectClose(merged_lse, ToDoubleVec(whole_lse), kF32Tol, "merged lse");
+    for (const Shape& sh : shapes) {
+      for (size_t m = 0; m < masks.size(); ++m) {
+        for (DType dtype : {DType::kF32, DType::kBF16}) {
+          RunConfig s;
+          s.path = path;
+          s.mask = masks[m];
+          s.blocks = {16, 16};
+          const bool segments = m == 0 && sh.b == 2;
+          CheckAgainstReference(sh, dtype, s, segments, ++seed, /*backward=*/true,
+                                /*q_offset=*/sh.skv - sh.sq);
+          Problem prob(seed, SpecOf(sh, dtype, segments));
+          EXPECT_TRUE(kernels::StackedHeads::Applies(prob.Params(s)));
+          s.threads = 1;
+          const Result r1 = prob.Run(s, false);
+          for (int threads : {2, 3}) {
+            s.threads = threads;
+            EXPECT_TRUE(BitwiseEqual(r1, prob.Run(s, false)))
+                << KernelPathName(path) << " " << DTypeName(dtype) << " mask " << m;
+          }
+        }
+      }
+    }
+  }
+}
+
+// When stacking does not apply: one head per kv head, a mask that depends
+// on the head, or a query block more than half full.
+TEST(FlashTest, StackedHeadsOnlyWhereTheyApply) {
+  RunConfig s;
+  s.blocks = {16, 16};
+  EXPECT_TRUE(
+      kernels::StackedHeads::Applies(Problem(1, SpecOf({1, 8, 20, 4, 2, 16, 16})).Params(s)));
+  EXPECT_FALSE(
+      kernels::StackedHeads::Applies(Problem(1, SpecOf({1, 9, 20, 4, 2, 16, 16})).Params(s)));
+  EXPECT_FALSE(
+      kernels::StackedHeads::Applies(Problem(1, SpecOf({1, 4, 20, 2, 2, 16, 16})).Params(s)));
+  s.mask = Mask::PerHead({Mask::Causal(), Mask::Full(), Mask::Causal(), Mask::Full()});
+  const ProblemSpec spec = SpecOf({1, 4, 20, 4, 2, 16, 16});
+  Problem prob(2, spec);
+  EXPECT_FALSE(kernels::StackedHeads::Applies(prob.Params(s)));
+  // ... and the head-dependent mask still holds per head.
+  const testing::RefForward ref = testing::ReferenceForward(prob.Ref(s));
+  const Result r = prob.Run(s, false);
+  ExpectClose(r.out, ref.out, kF32Tol, "out, per-head mask");
+  ExpectClose(r.lse, ref.lse, kF32Tol, "lse, per-head mask");
+}
+
+TEST(FlashTest, ForwardMergeEqualsForwardThenMergePartial) {
+  // The second problem has stacked query heads (6 queries per head).
+  for (const auto& [spec, mask] :
+       {std::pair{ProblemSpec(2, 70, 90, 4, 2, 32, 48), Mask::Causal(-10)},
+        std::pair{ProblemSpec(2, 6, 90, 4, 2, 32, 48), Mask::Causal(36)}}) {
+    for (KernelPath path : SupportedKernelPaths()) {
+      Problem prob(900, spec);
+      RunConfig s;
+      s.path = path;
+      // First problem: early queries see nothing of the first slice; second:
+      // query 0 nothing of the second.
+      s.mask = mask;
+      const FlashParams p = prob.Params(s);
+      EXPECT_EQ(kernels::StackedHeads::Applies(p), spec.sq == 6);
+      const int64_t split = 37;
+      FlashParams a = p, b = p;
+      a.k = SliceRows(p.k, 0, split);
+      a.v = SliceRows(p.v, 0, split);
+      b.k = SliceRows(p.k, split, spec.skv - split);
+      b.v = SliceRows(p.v, split, spec.skv - split);
+      b.kv_pos = p.kv_pos + split;
+      const size_t out_n = static_cast<size_t>(spec.b * spec.sq * spec.h * spec.dv);
+      const size_t lse_n = static_cast<size_t>(spec.b * spec.h * spec.sq);
+      ThreadPool pool(2);
+      // Expected: forward of each slice, then MergePartial.
+      std::vector<float> out(out_n), lse(lse_n), part(out_n), part_lse(lse_n);
+      kernels::FlashForward(a, pool, out.data(), lse.data(), nullptr);
+      std::vector<float> merged = out, merged_lse = lse;
+      kernels::FlashForward(b, pool, part.data(), part_lse.data(), nullptr);
+      kernels::MergePartial({spec.b, spec.sq, spec.h, spec.dv}, out.data(), lse.data(), part.data(),
+                            part_lse.data());
+      kernels::FlashForwardMerge(b, pool, merged.data(), merged_lse.data(), nullptr);
+      EXPECT_EQ(std::memcmp(out.data(), merged.data(), out_n * 4), 0) << KernelPathName(path);
+      EXPECT_EQ(std::memcmp(lse.data(), merged_lse.data(), lse_n * 4), 0) << KernelPathName(path);
+      // And both equal the forward over all keys (f32 rounding of the merge).
+      std::vector<float> whole(out_n), whole_lse(lse_n);
+      kernels::FlashForward(p, pool, whole.data(), whole_lse.data(), nullptr);
+      ExpectClose(merged, ToDoubleVec(whole), kF32Tol, "merged out");
+      ExpectClose(merged_lse, ToDoubleVec(whole_lse), kF32Tol, "merged lse");
+    }
   }
 }
 

@@ -36,6 +36,7 @@
 #include "src/kernels/flash.h"
 #include "src/kernels/flash_common.h"
 #include "src/kernels/flash_merge.h"
+#include "src/kernels/flash_stacked.h"
 #include "src/kernels/micro.h"
 #include "src/kernels/poison.h"
 #include "src/kernels/tile_pack.h"
@@ -179,17 +180,37 @@ void StoreRowBf16(const float* a, int64_t dv, uint16_t* dst, std::atomic<bool>* 
 // out, its sink (if any) is applied and it is rounded into it. `stream`: f32
 // out rows written with non-temporal stores (ForwardCall::stream_, never
 // when merging or rounding).
+// Row (b, row, h) of a finished partial result (part [dv], part_lse) into
+// `out` / lse [B, H, Sq]: merged into the existing row (MergePartial), or
+// stored — its sink applied and rounded for a bf16 out; part may be
+// clobbered. Unless `in_place`: part already is the f32 out row.
+void EmitRow(const Geometry& g, int64_t b, int64_t row, int64_t h, float* part, float part_lse,
+             bool merge, const OutRows& out, float* lse, bool in_place) {
+  const int64_t at = ((b * g.sq + row) * g.h + h) * g.dv;
+  float* l_out = lse + (b * g.h + h) * g.sq + row;
+  if (merge) {
+    MergePartial(RowShape{1, 1, 1, g.dv}, out.f32 + at, l_out, part, &part_lse);
+  } else if (out.bf16.data != nullptr) {
+    if (out.bf16.sinks != nullptr) {
+      ApplySinks(RowShape{1, 1, 1, g.dv}, part, &part_lse, out.bf16.sinks + h);
+    }
+    *l_out = part_lse;
+    StoreRowBf16(part, g.dv, out.Bf16Row(b, row, h), out.overflow);
+  } else {
+    *l_out = part_lse;
+    if (!in_place) std::memcpy(out.f32 + at, part, static_cast<size_t>(g.dv) * sizeof(float));
+  }
+}
+
 void FinishRows(const Geometry& g, int64_t b, int64_t h, int64_t qb, int64_t m, BlockState& ws,
                 bool merge, bool stream, const OutRows& out, float* lse) {
   for (int64_t i = 0; i < m; ++i) {
     const int64_t row = qb * g.bq + i;
-    const int64_t at = ((b * g.sq + row) * g.h + h) * g.dv;
-    float* l_out = lse + (b * g.h + h) * g.sq + row;
     float* a = ws.acc.data() + i * g.ld_dv;
     // The row's partial result; in place of its accumulator when merging or
     // rounding to bf16.
-    const bool bf16 = out.bf16.data != nullptr;
-    float* part = merge || bf16 ? a : out.f32 + at;
+    const bool in_place = !merge && out.bf16.data == nullptr;
+    float* part = in_place ? out.f32 + ((b * g.sq + row) * g.h + h) * g.dv : a;
     float part_lse = kNegInf;
     const float l = ws.row_sum[i];
     if (l > 0.0f) {
@@ -198,15 +219,7 @@ void FinishRows(const Geometry& g, int64_t b, int64_t h, int64_t qb, int64_t m, 
     } else {
       std::memset(part, 0, static_cast<size_t>(g.dv) * sizeof(float));
     }
-    if (merge) {
-      MergePartial(RowShape{1, 1, 1, g.dv}, out.f32 + at, l_out, part, &part_lse);
-    } else {
-      if (bf16 && out.bf16.sinks != nullptr) {
-        ApplySinks(RowShape{1, 1, 1, g.dv}, part, &part_lse, out.bf16.sinks + h);
-      }
-      *l_out = part_lse;
-      if (bf16) StoreRowBf16(part, g.dv, out.Bf16Row(b, row, h), out.overflow);
-    }
+    EmitRow(g, b, row, h, part, part_lse, merge, out, lse, in_place);
   }
 }
 
@@ -474,6 +487,28 @@ void Forward(const FlashParams& p, ThreadPool& pool, bool merge, const OutRows& 
         for (int64_t i = 0; i < g.sq; ++i) {
           std::memset(out.Bf16Row(b, i, h), 0, static_cast<size_t>(g.dv) * sizeof(uint16_t));
           lse[(b * g.h + h) * g.sq + i] = l;
+        }
+      }
+    }
+    return;
+  }
+  if (StackedHeads::Applies(p)) {
+    // The stacked problem into f32 scratch (Sq is small), then each row to
+    // its place in `out` as FinishRows would have put it.
+    const StackedHeads st(p);
+    const int64_t rows = g.sq * st.group();
+    std::vector<float> out_s(static_cast<size_t>(g.b * rows * g.hkv * g.dv));
+    std::vector<float> lse_s(static_cast<size_t>(g.b * g.hkv * rows));
+    Forward(st.params(), pool, /*merge=*/false,
+            OutRows{.f32 = out_s.data(), .bf16 = {}, .overflow = nullptr}, lse_s.data(), stats);
+    for (int64_t b = 0; b < g.b; ++b) {
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t i = r / st.group(), hh = r % st.group();
+        for (int64_t kh = 0; kh < g.hkv; ++kh) {
+          float* part = out_s.data() + ((b * rows + r) * g.hkv + kh) * g.dv;
+          const float part_lse = lse_s[static_cast<size_t>((b * g.hkv + kh) * rows + r)];
+          EmitRow(g, b, i, kh * st.group() + hh, part, part_lse, merge, out, lse,
+                  /*in_place=*/false);
         }
       }
     }

@@ -126,14 +126,20 @@ ProblemSpec SpecOf(const Shape& sh, DType dtype, bool segments) {
 }
 
 void CheckAgainstReference(const Shape& sh, DType dtype, const RunConfig& s, bool segments,
-                           uint64_t seed, bool backward) {
+                           uint64_t seed, bool backward, int64_t q_offset) {
   Problem prob(seed, SpecOf(sh, dtype, segments));
+  if (q_offset != 0) {
+    prob.owned().q_pos = Iota(sh.sq);
+    for (int64_t& x : prob.owned().q_pos) x += q_offset;
+    prob.Refresh();
+  }
   const RefProblem rp = prob.Ref(s);
   const RefForward ref = ReferenceForward(rp);
   const Result r = prob.Run(s, backward, &ref);
   const std::string what = std::string(KernelPathName(s.path)) + " " + DTypeName(dtype) +
                            " d=" + std::to_string(sh.d) + " dv=" + std::to_string(sh.dv) +
-                           " sq=" + std::to_string(sh.sq) + " skv=" + std::to_string(sh.skv);
+                           " sq=" + std::to_string(sh.sq) + " skv=" + std::to_string(sh.skv) +
+                           " h=" + std::to_string(sh.h) + " hkv=" + std::to_string(sh.hkv);
   // bf16 products (avx512_bf16 and amx with bf16 inputs) compute S exactly
   // like f32 on the rounded inputs (bf16 x bf16 products are exact in f32);
   // amx also rounds P to bf16 (relative 2^-8, bf16's unit roundoff) for

@@ -151,9 +151,10 @@ ProblemSpec SpecOf(const Shape& sh, DType dtype = DType::kF32, bool segments = f
 
 // Forward (and backward) of a random problem of shape sh against the
 // reference: out and lse within kF32Tol (plus P's bf16 rounding where the
-// path rounds it), gradients as ExpectGradients.
+// path rounds it), gradients as ExpectGradients. Query i sits at global
+// position q_offset + i (keys at 0, 1, ...).
 void CheckAgainstReference(const Shape& sh, DType dtype, const RunConfig& s, bool segments,
-                           uint64_t seed, bool backward = true);
+                           uint64_t seed, bool backward = true, int64_t q_offset = 0);
 
 // Rows [lo, lo + n) of a [B, S, H, C] view.
 TensorView SliceRows(const TensorView& t, int64_t lo, int64_t n);
