@@ -168,9 +168,12 @@ KvRows::KvRows(const FlashParams& p, const Geometry& g, KeyFormat keys, double u
   const bool v_whole_vectors = v_f32 && g.dv % micro::kVec == 0;
   const bool v_like_packed = v.stride[1] == g.dv && (g.dv <= 64 || g.dv % 128 != 0);
   // Copies per thread (see the class comment) for f32 tiles used too rarely
-  // for a copy per call, unless both can be read in place as they are.
-  const bool in_place_as_is =
-      keys == KeyFormat::kF32 && k_rows_dense && v_whole_vectors && v_like_packed;
+  // for a copy per call, unless both can be read in place as they are: rows
+  // back to back and (V's aliasing penalty being per use) either read like
+  // a packed tile or a tile used about once (decoding: a copy would cost a
+  // whole extra pass over K and V).
+  const bool in_place_as_is = keys == KeyFormat::kF32 && k_rows_dense && v_whole_vectors &&
+                              v.stride[1] == g.dv && (v_like_packed || uses < kCopyMinUses);
   const bool bf16_keys = keys == KeyFormat::kBf16 || keys == KeyFormat::kBf16Tiles;
   if (tile_cache && !bf16_keys && k_f32 && v_f32 && uses < kPackMinUses && !in_place_as_is) {
     tile_cache_ = true;  // K and V below are then the copies' sources

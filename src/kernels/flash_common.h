@@ -132,6 +132,9 @@ class KvRows {
   // kF32Padded: rows of ld_d, zero padded.
   enum class KeyFormat { kF32, kF32Padded, kBf16, kBf16Tiles };
   static constexpr double kPackMinUses = 8.0;
+  // Dense f32 rows are read in place, never copied, by tiles used less than
+  // this on average (tile_cache).
+  static constexpr double kCopyMinUses = 2.0;
   KvRows(const FlashParams& p, const Geometry& g, KeyFormat keys, double uses, ThreadPool& pool,
          bool tile_cache = false, const micro::MicroKernels* checked_copy = nullptr);
   const float* Keys(int64_t b, int64_t kh, int64_t kvb) const;
@@ -259,6 +262,15 @@ T* Grow(AlignedBuffer<T>& buf, int64_t n) {
   if (buf.size() < static_cast<size_t>(n)) buf.Resize(static_cast<size_t>(n));
   return buf.data();
 }
+
+// Into how many ranges of kv tiles FlashForward splits each q block's walk,
+// each range a work item of its own that finishes into a partial (out, lse),
+// merged in range order at the end (split-K, as flash-decoding does on
+// GPUs): when a call has fewer than 16 (batch, head, q block) tasks —
+// decoding — one per thread would leave cores idle while each walks the
+// whole of K and V. Up to 16 items, ranges of at least 8 tiles; a function
+// of the shapes only, so results stay independent of the thread count.
+int64_t ForwardKvSplits(const Geometry& g);
 
 // Into how many parts FlashBackward splits each kv head's group of query
 // heads: 1 when there are at least 16 (batch, kv head) pairs, else the

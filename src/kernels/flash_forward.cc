@@ -245,7 +245,13 @@ class ForwardCall {
         out_(out),
         lse_(lse),
         pool_(pool),
-        wstats_(static_cast<size_t>(pool.size())) {}
+        wstats_(static_cast<size_t>(pool.size())),
+        splits_(ForwardKvSplits(g)) {
+    if (splits_ > 1) {
+      part_out_.resize(static_cast<size_t>(splits_ * g.b * g.sq * g.h * g.dv));
+      part_lse_.resize(static_cast<size_t>(splits_ * g.b * g.h * g.sq));
+    }
+  }
 
   // Work items are runs of `chunk` consecutive q blocks of one (batch, head),
   // the last runs first (under causal masks they carry the most tiles), each
@@ -259,12 +265,15 @@ class ForwardCall {
     const int64_t chunk = kv_.tile_cache() ? std::clamp<int64_t>(tasks / (8 * workers), 1, 32)
                                            : std::clamp<int64_t>(tasks / (16 * workers), 1, kGroup);
     const int64_t runs_per_head = (g_.nqb + chunk - 1) / chunk;
-    pool_.ParallelFor(g_.b * g_.h * runs_per_head, [&](int64_t item, int worker) {
-      const int64_t run_hi = g_.nqb - (item % runs_per_head) * chunk;
+    pool_.ParallelFor(g_.b * g_.h * runs_per_head * splits_, [&](int64_t item, int worker) {
+      const int64_t split = item % splits_, run_item = item / splits_;
+      const int64_t run_hi = g_.nqb - (run_item % runs_per_head) * chunk;
       for (int64_t qb0 = std::max<int64_t>(0, run_hi - chunk); qb0 < run_hi; qb0 += kGroup) {
-        Group(item / runs_per_head, qb0, std::min<int64_t>(qb0 + kGroup, run_hi), worker);
+        Group(run_item / runs_per_head, qb0, std::min<int64_t>(qb0 + kGroup, run_hi), split,
+              worker);
       }
     });
+    if (splits_ > 1) MergeSplits();
     AddStats(wstats_, stats);
   }
 
@@ -284,17 +293,20 @@ class ForwardCall {
   // kv tiles in ascending order, each fetched once for the blocks that use
   // it. Every block still meets its own tiles in ascending order, exactly as
   // alone, so results do not depend on how blocks are grouped.
-  void Group(int64_t bh, int64_t qb0, int64_t qb1, int worker) {
+  // With kv splits, only the tiles of range `split` are walked, and the
+  // rows finish into that range's partial result.
+  void Group(int64_t bh, int64_t qb0, int64_t qb1, int64_t split, int worker) {
     const int64_t h = bh % g_.h, b = bh / g_.h, kh = h / g_.group;
     const auto nb = static_cast<int>(qb1 - qb0);
     Workspace& ws = Workspace::ForThisThread(g_, bf16_, bf16_pv_);
     WorkerStats& st = wstats_[static_cast<size_t>(worker)];
+    const int64_t kv_lo = split * g_.nkvb / splits_, kv_hi = (split + 1) * g_.nkvb / splits_;
     Walk walks[kGroup];
-    for (int i = 0; i < nb; ++i) Begin(ws, b, h, qb0 + i, ws.blocks[i], walks[i]);
+    for (int i = 0; i < nb; ++i) Begin(ws, b, h, qb0 + i, kv_lo, ws.blocks[i], walks[i]);
     while (true) {
       int64_t kvb = kDone;  // the lowest tile any block still needs
       for (int i = 0; i < nb; ++i) kvb = std::min(kvb, walks[i].next);
-      if (kvb == kDone) break;
+      if (kvb >= kv_hi) break;
       bool fetched = false;
       KvTile kvt{};
       for (int i = 0; i < nb; ++i) {
@@ -317,15 +329,45 @@ class ForwardCall {
     }
     for (int i = 0; i < nb; ++i) {
       st.computed += walks[i].computed;
-      st.skipped += g_.nkvb - walks[i].computed;
-      FinishRows(g_, b, h, qb0 + i, g_.QRows(qb0 + i), ws.blocks[i], merge_, stream_, out_, lse_);
+      st.skipped += (kv_hi - kv_lo) - walks[i].computed;
+      if (splits_ > 1) {
+        const OutRows part{.f32 = part_out_.data() + split * g_.b * g_.sq * g_.h * g_.dv,
+                           .bf16 = {},
+                           .overflow = nullptr};
+        FinishRows(g_, b, h, qb0 + i, g_.QRows(qb0 + i), ws.blocks[i], /*merge=*/false,
+                   /*stream=*/false, part, part_lse_.data() + split * g_.b * g_.h * g_.sq);
+      } else {
+        FinishRows(g_, b, h, qb0 + i, g_.QRows(qb0 + i), ws.blocks[i], merge_, stream_, out_, lse_);
+      }
     }
     if (stream_) StreamFence();
   }
 
+  // Each row's partial results of the kv ranges merged in range order
+  // (MergePartial), then emitted as FinishRows would have.
+  void MergeSplits() {
+    const int64_t out_elems = g_.b * g_.sq * g_.h * g_.dv, lse_elems = g_.b * g_.h * g_.sq;
+    pool_.ParallelFor(g_.b * g_.h, [&](int64_t bh, int) {
+      const int64_t h = bh % g_.h, b = bh / g_.h;
+      for (int64_t row = 0; row < g_.sq; ++row) {
+        const int64_t at = ((b * g_.sq + row) * g_.h + h) * g_.dv;
+        const int64_t li = (b * g_.h + h) * g_.sq + row;
+        float* acc = part_out_.data() + at;
+        float* acc_lse = part_lse_.data() + li;
+        for (int64_t c = 1; c < splits_; ++c) {
+          MergePartial(RowShape{1, 1, 1, g_.dv}, acc, acc_lse,
+                       part_out_.data() + c * out_elems + at,
+                       part_lse_.data() + c * lse_elems + li);
+        }
+        EmitRow(g_, b, row, h, acc, *acc_lse, merge_, out_, lse_, /*in_place=*/false);
+      }
+    });
+  }
+
   // Packs q block qb as Q^T, checks its rows, resets its softmax state and
   // points its walk at its first kv tile.
-  void Begin(Workspace& ws, int64_t b, int64_t h, int64_t qb, BlockState& s, Walk& w) {
+  void Begin(Workspace& ws, int64_t b, int64_t h, int64_t qb, int64_t kv_lo, BlockState& s,
+             Walk& w) {
     const int64_t m = g_.QRows(qb);
     bool bad = false;  // a NaN or inf in the block's q rows
     if (bf16_) {
@@ -351,7 +393,8 @@ class ForwardCall {
     t.scratch = ws.tile.data();
     w.runs = plan_.map().Runs(h, qb);
     w.run_at = 0;
-    w.next = w.runs.empty() ? kDone : w.runs[0].begin;
+    while (w.run_at < w.runs.size() && w.runs[w.run_at].end <= kv_lo) ++w.run_at;
+    w.next = w.run_at < w.runs.size() ? std::max<int64_t>(w.runs[w.run_at].begin, kv_lo) : kDone;
     w.computed = 0;
   }
 
@@ -467,6 +510,11 @@ class ForwardCall {
   float* lse_;
   ThreadPool& pool_;
   std::vector<WorkerStats> wstats_;
+  // kv splits (ForwardKvSplits): range c holds kv tiles [c nkvb / splits_,
+  // (c + 1) nkvb / splits_); with more than one, the partial results
+  // [split][B, Sq, H, Dv] and [split][B, H, Sq].
+  const int64_t splits_;
+  std::vector<float> part_out_, part_lse_;
 };
 
 void Forward(const FlashParams& p, ThreadPool& pool, bool merge, const OutRows& out, float* lse,
@@ -518,6 +566,15 @@ void Forward(const FlashParams& p, ThreadPool& pool, bool merge, const OutRows& 
 }
 
 }  // namespace
+
+int64_t ForwardKvSplits(const Geometry& g) {
+  // Up to kSplitTasks items, ranges of at least kMinSplitTiles tiles.
+  constexpr int64_t kSplitTasks = 16, kMinSplitTiles = 8;
+  const int64_t tasks = g.b * g.h * g.nqb;
+  if (tasks >= kSplitTasks) return 1;
+  return std::clamp<int64_t>(std::min((kSplitTasks + tasks - 1) / tasks, g.nkvb / kMinSplitTiles),
+                             1, kSplitTasks);
+}
 
 void FlashForward(const FlashParams& p, ThreadPool& pool, float* out, float* lse,
                   KernelStats* stats) {
