@@ -251,6 +251,23 @@ def case_memory(r):
                 runs=runs)
 
 
+def case_decode(r):
+    """Not a target: one decoding token against a 32768-key cache, GQA (H=32,
+    Hkv=4, D=128, f32, 2 threads): bound by reading K and V, so the metric is
+    their bytes over the step's seconds (docs/PERFORMANCE.md, Decoding)."""
+    kv_bytes = 2 * 32768 * 4 * 128 * 4
+
+    def once():
+        runs, _ = r.bench("--q-seq", "1", "--seq", "32768", "--heads", "32", "--kv-heads", "4",
+                          "--head-dim", "128", "--ranks", "1", "--threads-per-rank", "2",
+                          iters=21)
+        return runs
+
+    value, values, runs = repeated(r, lambda rs: kv_bytes / rs[0]["seconds"] / 1e9, once)
+    return dict(case="decode_gqa_s32768", metric="K/V GB/s read by a decoding step (median)",
+                value=value, values=values, target="informational", passed=True, runs=runs)
+
+
 CASES = {
     "fwd_f32": case_fwd_f32,
     "fwd_bf16": case_fwd_bf16,
@@ -264,6 +281,7 @@ CASES = {
     "ring_threads": case_ring_threads,
     "ring_mpi": case_ring_mpi,
     "memory": case_memory,
+    "decode": case_decode,
 }
 
 

@@ -22,6 +22,7 @@ CASES = {
     "ring_threads_2x1": "ring, threads, 2 ranks x 1 thread, S=16384 H=8 Hkv=2 causal zigzag fwdbwd",
     "ring_mpi_2x1": "ring, MPI, 2 processes x 1 thread, same",
     "memory_ring4_s262144": "memory, causal zigzag ring of 4, S=262144 H=1 D=64, fwd",
+    "decode_gqa_s32768": "decoding step, 1 token, Skv=32768 H=32 Hkv=4 D=128 f32 (not a target)",
 }
 
 
@@ -55,6 +56,9 @@ def detail(r):
         return (f"{runs[0]['gflops']:.0f} vs {runs[1]['gflops']:.0f} GFLOP/s; imbalance "
                 f"{r['imbalance']:.3f}; max comm wait {100 * r['comm_wait_fraction']:.1f} % of an "
                 "iteration")
+    if case.startswith("decode"):
+        ms = sorted(run["seconds"] * 1e3 for run in runs)
+        return f"{spread}; {ms[len(ms) // 2]:.1f} ms per step (median), 128 MiB of K and V"
     if case.startswith("memory"):
         rss = r["rss_mib"]
         steps = ", ".join(f"{v:.0f} MiB at S={s}" for s, v in rss.items())
