@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "ringsplash/mask.h"
+#include "src/kernels/validate.h"
 #include "tests/support/accuracy.h"
 #include "tests/support/reference.h"
 #include "tests/support/test_util.h"
@@ -363,50 +364,76 @@ TEST(OutputViewsTest, StridedAndConvertedOutputsEqualContiguousF32) {
 // a NaN input too (the call is then redone in f32 and poisoned, as for f32
 // outputs).
 TEST(OutputViewsTest, DirectBf16OutEqualsRoundedF32Out) {
-  for (const bool sinks : {false, true}) {
-    Rng rng(8);
-    ProblemSpec spec{2, 40, 56, 4, 2, 32, 24};
-    spec.dtype = DType::kBF16;
-    spec.sinks = sinks;
-    OwnedInputs in = RandomInputs(rng, spec);
-    AttentionOptions opt;
-    opt.mask = Mask::Causal(8) & Mask::Local(20, std::nullopt);
-    opt.block_sizes = {16, 32};
-    for (bool poisoned : {false, true}) {
-      if (poisoned) {
-        StoreFromF32(in.k.view(), in.k.view().Offset(1, 30, 1, 3),
-                     std::numeric_limits<float>::quiet_NaN());
+  // decoding: 3 query rows per head (stacked heads, flash_stacked.h) over
+  // 600 keys (split over ranges of kv tiles, ForwardKvSplits).
+  for (const bool decoding : {false, true}) {
+    for (const bool sinks : {false, true}) {
+      Rng rng(8);
+      ProblemSpec spec{2, 40, 56, 4, 2, 32, 24};
+      if (decoding) {
+        spec.sq = 3;
+        spec.skv = 600;
       }
-      for (KernelPath path : SupportedKernelPaths()) {
-        opt.kernel_path = path;
-        const ApiResult f32 =
-            RunAttention(in, opt, nullptr, ApiRun{DType::kF32, DType::kF32, false});
-        for (const bool strided : {false, true}) {  // strided: a [B, H, S, D] bf16 out
-          const ApiResult bf =
-              RunAttention(in, opt, nullptr, ApiRun{DType::kBF16, DType::kF32, strided});
-          const std::string what = PathName(path) + (poisoned ? " poisoned" : "") +
-                                   (sinks ? " sinks" : "") + (strided ? " strided" : "");
-          ASSERT_EQ(bf.out.size(), f32.out.size());
-          int nans = 0;
-          for (size_t i = 0; i < f32.out.size(); ++i) {
-            if (std::isnan(f32.out[i])) {
-              ASSERT_TRUE(std::isnan(bf.out[i])) << what << " " << i;
-              ++nans;
-              continue;
+      spec.dtype = DType::kBF16;
+      spec.sinks = sinks;
+      OwnedInputs in = RandomInputs(rng, spec);
+      AttentionOptions opt;
+      opt.mask = decoding ? Mask::Full() : Mask::Causal(8) & Mask::Local(20, std::nullopt);
+      opt.block_sizes = {16, 32};
+      for (bool poisoned : {false, true}) {
+        if (poisoned) {
+          StoreFromF32(in.k.view(), in.k.view().Offset(1, 30, 1, 3),
+                       std::numeric_limits<float>::quiet_NaN());
+        }
+        for (KernelPath path : SupportedKernelPaths()) {
+          opt.kernel_path = path;
+          const ApiResult f32 =
+              RunAttention(in, opt, nullptr, ApiRun{DType::kF32, DType::kF32, false});
+          for (const bool strided : {false, true}) {  // strided: a [B, H, S, D] bf16 out
+            const ApiResult bf =
+                RunAttention(in, opt, nullptr, ApiRun{DType::kBF16, DType::kF32, strided});
+            const std::string what = PathName(path) + (poisoned ? " poisoned" : "") +
+                                     (sinks ? " sinks" : "") + (strided ? " strided" : "") +
+                                     (decoding ? " decoding" : "");
+            ASSERT_EQ(bf.out.size(), f32.out.size());
+            int nans = 0;
+            for (size_t i = 0; i < f32.out.size(); ++i) {
+              if (std::isnan(f32.out[i])) {
+                ASSERT_TRUE(std::isnan(bf.out[i])) << what << " " << i;
+                ++nans;
+                continue;
+              }
+              ASSERT_EQ(bf.out[i], RoundToBF16(f32.out[i])) << what << " " << i;
             }
-            ASSERT_EQ(bf.out[i], RoundToBF16(f32.out[i])) << what << " " << i;
-          }
-          EXPECT_EQ(nans > 0, poisoned) << what;
-          ASSERT_EQ(bf.lse.size(), f32.lse.size());
-          for (size_t i = 0; i < f32.lse.size(); ++i) {
-            ASSERT_TRUE(bf.lse[i] == f32.lse[i] ||
-                        (std::isnan(bf.lse[i]) && std::isnan(f32.lse[i])))
-                << what << " lse " << i;
+            EXPECT_EQ(nans > 0, poisoned) << what;
+            ASSERT_EQ(bf.lse.size(), f32.lse.size());
+            for (size_t i = 0; i < f32.lse.size(); ++i) {
+              ASSERT_TRUE(bf.lse[i] == f32.lse[i] ||
+                          (std::isnan(bf.lse[i]) && std::isnan(f32.lse[i])))
+                  << what << " lse " << i;
+            }
           }
         }
       }
     }
   }
+}
+
+// StridesNest decides which bf16 outputs the kernels write from several
+// threads directly: only views whose elements are certainly distinct.
+TEST(OutputViewsTest, StridesNestOnlyForDisjointLayouts) {
+  auto view = [](std::vector<int64_t> shape, std::vector<int64_t> stride) {
+    TensorView t = TensorView::Contiguous(nullptr, DType::kBF16, shape);
+    for (size_t i = 0; i < stride.size(); ++i) t.stride[i] = stride[i];
+    return t;
+  };
+  EXPECT_TRUE(kernels::StridesNest(view({2, 5, 3, 4}, {60, 12, 4, 1})));   // [B, S, H, D]
+  EXPECT_TRUE(kernels::StridesNest(view({2, 5, 3, 4}, {60, 4, 20, 1})));   // [B, H, S, D]
+  EXPECT_TRUE(kernels::StridesNest(view({2, 5, 3, 4}, {105, 21, 7, 1})));  // padded rows
+  EXPECT_TRUE(kernels::StridesNest(view({1, 5, 1, 4}, {0, 4, 0, 1})));     // size-1 dims
+  EXPECT_FALSE(kernels::StridesNest(view({2, 5, 3, 4}, {60, 12, 2, 1})));  // heads overlap rows
+  EXPECT_FALSE(kernels::StridesNest(view({2, 5, 3, 4}, {60, 8, 20, 1})));  // S inside H, too close
+  EXPECT_FALSE(kernels::StridesNest(view({2, 5, 3, 4}, {60, 12, 4, 0})));  // broadcast D
 }
 
 // Outputs that are views into larger buffers (padded rows): the API writes

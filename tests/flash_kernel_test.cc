@@ -22,6 +22,7 @@
 #include "src/kernels/flash.h"
 #include "src/kernels/flash_common.h"
 #include "src/kernels/flash_merge.h"
+#include "src/kernels/flash_stacked.h"
 #include "src/kernels/micro.h"
 #include "src/kernels/thread_pool.h"
 #include "tests/support/accuracy.h"
@@ -167,14 +168,39 @@ TEST(FlashTest, MasksGqaAndBlockShapes) {
 // Whether FlashForward reads the K and V of `prob` through per-thread tile
 // copies (KvTileCache): f32 rows strided by other heads, or V rows of 512
 // bytes and more, in tiles used too rarely for a copy per call.
-bool UsesTileCopies(const Problem& prob, const RunConfig& s) {
-  const FlashParams p = prob.Params(s);
+bool UsesTileCopies(const FlashParams& p) {
   const kernels::Geometry g = kernels::Geometry::Of(p);
   const kernels::TilePlan plan(p, g, /*by_column=*/false);
   ThreadPool pool(1);
   return kernels::KvRows(p, g, kernels::KvRows::KeyFormat::kF32, plan.UsesPerKvTile(), pool,
                          /*tile_cache=*/true)
       .tile_cache();
+}
+
+// Dense f32 K/V rows (one kv head) whose V rows are 512 bytes, which a tile
+// used often copies per thread (L1 set aliasing): a decoding step — stacked,
+// each tile used once — reads them in place instead (a copy would be a whole
+// extra pass over K and V); the same rows under eight query rows per head,
+// unstacked, are used four times per tile and copied. Both against the
+// reference.
+TEST(FlashTest, DecodingReadsDenseRowsInPlace) {
+  RunConfig s;
+  s.blocks = {16, 16};
+  s.mask = Mask::Causal();
+  const Shape decode{1, 1, 400, 4, 1, 32, 128};
+  Problem prob(1400, SpecOf(decode));
+  ThreadPool pool(1);
+  const kernels::StackedHeads stacked(prob.Params(s), pool);
+  EXPECT_FALSE(UsesTileCopies(stacked.params()));
+  CheckAgainstReference(decode, DType::kF32, s, false, 1401, /*backward=*/false,
+                        /*q_offset=*/399);
+  const Shape prefill{1, 16, 400, 4, 1, 32, 128};
+  Problem many(1402, SpecOf(prefill));
+  RunConfig full = s;
+  full.mask = Mask::Full();  // every tile for each of the 4 heads
+  EXPECT_TRUE(UsesTileCopies(many.Params(full)));
+  CheckAgainstReference(prefill, DType::kF32, s, false, 1403, /*backward=*/false,
+                        /*q_offset=*/384);
 }
 
 // Sliding windows over [B, S, H, D] tensors: K and V tiles are copied per
@@ -190,7 +216,7 @@ TEST(FlashTest, WindowTileCopiesMatchReferenceOnAnyThreadCount) {
     s.mask = Mask::Causal() & Mask::Local(40, std::nullopt);
     s.blocks = {32, 16};
     Problem prob(++seed, SpecOf(sh));
-    ASSERT_TRUE(UsesTileCopies(prob, s));
+    ASSERT_TRUE(UsesTileCopies(prob.Params(s)));
     CheckAgainstReference(sh, DType::kF32, s, /*segments=*/false, seed, /*backward=*/false);
     s.threads = 1;
     const Result r1 = prob.Run(s, false);
@@ -224,7 +250,7 @@ TEST(FlashTest, TileCopiesAcrossShapesAndEvictions) {
     s.mask = Mask::Full();
     s.blocks = c.blocks;
     s.threads = 1;
-    ASSERT_TRUE(UsesTileCopies(Problem(++seed, SpecOf(c.shape)), s));
+    ASSERT_TRUE(UsesTileCopies(Problem(++seed, SpecOf(c.shape)).Params(s)));
     CheckAgainstReference(c.shape, DType::kF32, s, /*segments=*/false, seed, /*backward=*/false);
   }
 }

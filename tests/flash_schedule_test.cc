@@ -139,25 +139,21 @@ TEST(FlashTest, BackwardHeadPartsMatchReferenceOnAnyThreadCount) {
     }
   }
   // The rule on long sequences, where the parts' dK/dV buffers ((parts - 1)
-  // x 128 MiB here) must stay within one f32 copy of q (512 MiB): MQA at S =
-  // 131072 takes 4 parts, not 8; 16 pairs take none.
-  kernels::Geometry big;
-  big.b = 1;
-  big.sq = big.skv = 131072;
-  big.h = 8;
-  big.hkv = 1;
-  big.group = 8;
-  big.d = big.dv = 128;
-  EXPECT_EQ(kernels::BackwardHeadParts(big), 4);
-  big.sq = big.skv = 1024;  // small: the whole group
-  EXPECT_EQ(kernels::BackwardHeadParts(big), 8);
-  big.b = 16;
-  EXPECT_EQ(kernels::BackwardHeadParts(big), 1);
-  big.b = 2;
-  big.h = 16;
-  big.hkv = 4;
-  big.group = 4;
-  EXPECT_EQ(kernels::BackwardHeadParts(big), 2);
+  // x 144 MiB here: rows padded to 144 floats) must stay within one f32 copy
+  // of q (512 MiB): MQA at S = 131072 takes 4 parts, not 8; 16 pairs none.
+  // Shapes only (no data): Geometry::Of reads nothing else.
+  auto geometry = [](int64_t b, int64_t s, int64_t h, int64_t hkv) {
+    FlashParams p;
+    p.q = TensorView::Contiguous(nullptr, DType::kF32, {b, s, h, 128});
+    p.k = TensorView::Contiguous(nullptr, DType::kF32, {b, s, hkv, 128});
+    p.v = p.k;
+    p.blocks = {128, 128};
+    return kernels::Geometry::Of(p);
+  };
+  EXPECT_EQ(kernels::BackwardHeadParts(geometry(1, 131072, 8, 1)), 4);
+  EXPECT_EQ(kernels::BackwardHeadParts(geometry(1, 1024, 8, 1)), 8);  // small: the whole group
+  EXPECT_EQ(kernels::BackwardHeadParts(geometry(16, 1024, 8, 1)), 1);
+  EXPECT_EQ(kernels::BackwardHeadParts(geometry(2, 1024, 16, 4)), 2);
 
   // MQA on 2 threads: one pass (the five products once per tile).
   ProblemSpec spec(1, 64, 64, 8, 1, 16, 16);
@@ -208,6 +204,40 @@ TEST(FlashTest, StackedHeadsMatchReferenceOnAnyThreadCount) {
           }
         }
       }
+    }
+  }
+}
+
+// The stacked copy of q reads any strides: a q view with inner stride 2 (and
+// its heads and rows strided to match) gives bitwise the results of the
+// same values stored contiguously, on every path, for f32 and bf16.
+TEST(FlashTest, StackedHeadsReadStridedQueries) {
+  for (KernelPath path : SupportedKernelPaths()) {
+    for (DType dtype : {DType::kF32, DType::kBF16}) {
+      const ProblemSpec spec = SpecOf({2, 5, 70, 8, 2, 32, 24}, dtype);
+      Problem prob(1250, spec);
+      RunConfig s;
+      s.path = path;
+      s.mask = Mask::Causal(60);
+      s.blocks = {16, 16};
+      const FlashParams p = prob.Params(s);
+      ASSERT_TRUE(kernels::StackedHeads::Applies(p));
+      Tensor wide(dtype, {spec.b, spec.sq, spec.h, 2 * spec.d});
+      TensorView strided = wide.view();
+      strided.shape[3] = spec.d;
+      strided.stride[3] = 2;
+      testing::FromDoubles(testing::ToDoubles(p.q), strided);
+      FlashParams ps = p;
+      ps.q = strided;
+      const auto n = static_cast<size_t>(spec.b * spec.sq * spec.h * spec.dv);
+      const auto rows = static_cast<size_t>(spec.b * spec.h * spec.sq);
+      std::vector<float> out(n), lse(rows), out_s(n), lse_s(rows);
+      ThreadPool pool(2);
+      kernels::FlashForward(p, pool, out.data(), lse.data(), nullptr);
+      kernels::FlashForward(ps, pool, out_s.data(), lse_s.data(), nullptr);
+      const std::string what = std::string(KernelPathName(path)) + " " + DTypeName(dtype);
+      EXPECT_EQ(std::memcmp(out.data(), out_s.data(), n * sizeof(float)), 0) << what;
+      EXPECT_EQ(std::memcmp(lse.data(), lse_s.data(), rows * sizeof(float)), 0) << what;
     }
   }
 }

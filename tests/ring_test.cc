@@ -296,6 +296,30 @@ TEST(RingTest, EveryMaskAtEightRanks) {
   }
 }
 
+// Six query rows per rank (48 over 8 ranks, q blocks of 16): each step's
+// forward stacks the query heads of a kv group into rows (flash_stacked.h),
+// also when merging into the accumulators on later steps, with the
+// non-affine positions of zigzag and striped shards. Every mask, GQA and MQA,
+// sinks and segments crossing shards.
+TEST(RingTest, StackedQueryHeadsOnEveryLayout) {
+  const int num_masks = static_cast<int>(MaskCases().size());
+  for (Layout layout : kLayouts) {
+    for (int m = 0; m < num_masks; ++m) {
+      Case c;
+      c.n = 8;
+      c.layout = layout;
+      c.mask = m;
+      c.sq = c.skv = 48;
+      c.h = 4;
+      c.hkv = m % 2 == 0 ? 2 : 1;
+      c.sinks = true;
+      c.segments = Segments::kShared;
+      c.seed = 300 + static_cast<uint64_t>(m);
+      CheckCase(c);
+    }
+  }
+}
+
 // Rows that see no key at all (a query document absent from the keys, no
 // sinks): out 0, lse -inf, zero gradients on every ring size — never NaN.
 TEST(RingTest, RowsWithoutKeysStayZero) {

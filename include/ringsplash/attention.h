@@ -79,6 +79,9 @@ struct AttentionInputs {
 // Counters of the block-sparse loop, summed over batch, heads and threads.
 // A block is one (bq x bkv) tile for one (batch, query head).
 struct KernelStats {
+  // Tiles as the kernels ran them: a forward over short query blocks with
+  // GQA/MQA stacks each kv group's query heads into the rows of one head, so
+  // its tiles (and their counts) are those of the stacked rows.
   int64_t computed_blocks = 0;  // tiles whose FLOPs were spent
   int64_t full_blocks = 0;      // ... of which needed no element mask
   int64_t partial_blocks = 0;   // ... of which needed an element mask
@@ -94,8 +97,10 @@ struct KernelStats {
 };
 
 // Forward: writes out and lse. Throws Error on any invalid argument. The
-// kernels compute in f32; an f32 or contiguous bf16 out (without sinks) is
-// written directly, other outputs through an f32 copy of out.
+// kernels compute in f32; a contiguous f32 out, or a bf16 out whose rows have
+// unit stride and whose dims nest (e.g. [B, S, H, D] or [B, H, S, D] views),
+// with or without sinks, is written directly, other outputs through an f32
+// copy of out.
 void AttentionForward(const AttentionInputs& in, const AttentionOptions& opt, TensorView out,
                       TensorView lse, KernelStats* stats = nullptr);
 

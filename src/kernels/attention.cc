@@ -6,6 +6,9 @@
 //   FlashForward -> out32 [B, Sq, H, Dv], lse32 [B, H, Sq] (partial, no sinks)
 //   ApplySinks   -> final out32, lse32
 //   CopyConvert  -> the caller's out (any strides, dtype of q or f32) and lse
+// except for a bf16 out of unit row stride and nesting dims, which
+// FlashForwardBf16Out writes itself, sinks applied per row (out32 is then
+// made only if the call is redone: a NaN/Inf input or a bf16 overflow).
 // The backward mirrors it: delta = rowsum(dout * out), zeroed f32 dq/dk/dv
 // accumulators, FlashBackward, CopyConvert; dsinks from (sinks, lse, delta).
 // When a caller's view is already f32 and contiguous the kernels write into
@@ -16,7 +19,6 @@
 // depend on a poisoned input are overwritten with NaN.
 #include "ringsplash/attention.h"
 
-#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstring>
@@ -144,23 +146,6 @@ void Prepare(const AttentionInputs& in, const AttentionOptions& opt, const Atten
 
 bool IsF32Contiguous(const TensorView& t) { return t.dtype == DType::kF32 && t.is_contiguous(); }
 
-// Whether no two elements of t share memory because its dims nest: taken by
-// increasing stride, each dim's stride is at least the extent of the ones
-// before it (dense layouts in any dim order, and padded ones).
-bool NestedStrides(const TensorView& t) {
-  std::vector<std::pair<int64_t, int64_t>> dims;  // (stride, size) of dims of size > 1
-  for (int i = 0; i < t.ndim; ++i) {
-    if (t.shape[i] > 1) dims.emplace_back(t.stride[i], t.shape[i]);
-  }
-  std::sort(dims.begin(), dims.end());
-  int64_t extent = 1;  // elements spanned by the dims so far
-  for (const auto& [stride, size] : dims) {
-    if (stride < extent) return false;
-    extent = stride * (size - 1) + extent;
-  }
-  return true;
-}
-
 // An f32 contiguous buffer of `shape` for a result that ends up in `user`
 // (the argument `what`): the user's own memory when it is already f32
 // contiguous, else scratch that Finish() converts into it — throwing Error if
@@ -250,7 +235,7 @@ void AttentionForward(const AttentionInputs& in, const AttentionOptions& opt, Te
   // of out (twice its bytes). The f32 scratch then exists only if the call
   // has to be redone.
   const bool direct_bf16 = out.dtype == DType::kBF16 && out.numel() > 0 &&
-                           (out.shape[3] == 1 || out.stride[3] == 1) && NestedStrides(out);
+                           (out.shape[3] == 1 || out.stride[3] == 1) && kernels::StridesNest(out);
   std::optional<F32Buffer> out32;
   if (!direct_bf16) out32.emplace(out, out_shape, /*zero=*/false, "out");
   F32Buffer lse32(lse, {dims.b, dims.h, dims.sq}, /*zero=*/false, "lse");

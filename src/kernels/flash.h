@@ -3,9 +3,10 @@
 // variants (dtype, micro-kernel path) chosen inside.
 //
 // Callers validate inputs first (ValidateAttentionInputs); kernels assume
-// checked shapes. Sinks are NOT applied here: the forward produces a partial
-// (out, lse) over the given k/v only, so the ring can merge steps and add
-// sinks once per row (see combine.h).
+// checked shapes. Sinks are NOT applied here (but by FlashForwardBf16Out,
+// which writes final rows): the forward produces a partial (out, lse) over
+// the given k/v only, so the ring can merge steps and add sinks once per row
+// (see combine.h).
 #ifndef RINGSPLASH_KERNELS_FLASH_H_
 #define RINGSPLASH_KERNELS_FLASH_H_
 

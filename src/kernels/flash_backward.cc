@@ -89,14 +89,16 @@ class QSide {
       q_pair_elems_ = RoundUp(g.bq, 32) * g.ld_d / 2;
       elems_ = qt_pair_elems_ + dot_pair_elems_ + q_pair_elems_ + RoundUp(g.bq, 32) * g.ld_dv / 2;
     }
-    // Per thread when the q tiles of any kv tile (over its group's heads),
-    // plus the one its successor adds, fit in the copies.
+    // Per thread when the q tiles of any kv tile (over the heads of one part
+    // of its group: BackwardHeadParts), plus the one its successor adds, fit
+    // in the copies.
     const int64_t slots = TileCopies::Slots(elems_, kBudgetBytes);
+    const int64_t per_part = g.group / BackwardHeadParts(g);
     int64_t most = 0;
-    for (int64_t kh = 0; kh < g.hkv; ++kh) {
+    for (int64_t h0 = 0; h0 < g.h; h0 += per_part) {
       for (int64_t kvb = 0; kvb < g.nkvb; ++kvb) {
         int64_t used = 0;
-        for (int64_t h = kh * g.group; h < (kh + 1) * g.group; ++h) {
+        for (int64_t h = h0; h < h0 + per_part; ++h) {
           for (const mask::BlockRun& run : cols.map().Runs(h, kvb)) used += run.end - run.begin;
         }
         most = std::max(most, used);
@@ -370,7 +372,7 @@ void AddQTile(const Geometry& g, int64_t b, int64_t h, int64_t qb, const float* 
   }
 }
 
-// dK/dV of (b, kh, kvb) over the query heads of `part` (PartHeads) and every
+// dK/dV of (b, kh, kvb) over the query heads of `part` (per_part heads) and every
 // q block of the column map, in order, into dk [bkv][ld_d] and dv
 // [bkv][ld_dv] (zeroed first); `on_tile(h, qb, kind, kv tile)` runs after
 // each computed tile (the one-pass schedule adds its dQ there). With tile
@@ -378,15 +380,14 @@ void AddQTile(const Geometry& g, int64_t b, int64_t h, int64_t qb, const float* 
 // previous part of the same tile made them).
 template <class OnTile>
 void KvBlock(const Context& c, const TilePlan& cols, int64_t b, int64_t kh, int64_t kvb,
-             int64_t part, bool kv_ready, Uses uses, Workspace& ws, WorkerStats& st, float* dk,
-             float* dv, OnTile&& on_tile) {
+             int64_t part, int64_t per_part, bool kv_ready, Uses uses, Workspace& ws,
+             WorkerStats& st, float* dk, float* dv, OnTile&& on_tile) {
   const Geometry& g = c.g;
   const int64_t n = g.KvRows(kvb);
   std::memset(dk, 0, static_cast<size_t>(n * g.ld_d) * sizeof(float));
   std::memset(dv, 0, static_cast<size_t>(n * g.ld_dv) * sizeof(float));
   const KvTile kvt = ws.kv_cache.Get(c.kv, c.mk, b, kh, kvb);
   if (!kv_ready) KvToBf16(c, b, kh, kvb, uses, ws);
-  const int64_t per_part = g.group / BackwardHeadParts(g);
   const int64_t h0 = kh * g.group + part * per_part;
   int64_t computed = 0;
   for (int64_t h = h0; h < h0 + per_part; ++h) {
@@ -411,10 +412,11 @@ constexpr int64_t kMinBackwardTasks = 16;
 
 int64_t BackwardHeadParts(const Geometry& g) {
   const int64_t pairs = g.b * g.hkv;
-  // Parts after the first buffer their dK/dV tiles: (parts - 1) f32 copies of
-  // dK and dV, kept within one f32 copy of q (what dq's accumulator takes
-  // anyway) or 64 MiB.
-  const int64_t per_part = pairs * g.skv * (g.d + g.dv) * int64_t{sizeof(float)};
+  // Parts after the first buffer their dK/dV tiles (whole tiles of padded
+  // rows, as FlashBackward allocates them): (parts - 1) of those per pair,
+  // kept within one f32 copy of q (what dq's accumulator takes anyway) or
+  // 64 MiB.
+  const int64_t per_part = pairs * g.nkvb * g.bkv * (g.ld_d + g.ld_dv) * int64_t{sizeof(float)};
   const int64_t cap = std::max<int64_t>(int64_t{64} << 20, g.b * g.sq * g.h * g.d * 4);
   int64_t best = 1;
   for (int64_t parts = 2; parts <= g.group && pairs * best < kMinBackwardTasks; ++parts) {
@@ -426,7 +428,8 @@ int64_t BackwardHeadParts(const Geometry& g) {
 }
 
 bool BackwardInOnePass(const Geometry& g, int threads) {
-  // The one-pass tasks are equal (every head of a part sees the same tiles);
+  // The one-pass tasks are about equal (the heads of a part see the same
+  // tiles unless the mask depends on the head; segments differ by batch);
   // with `threads` workers the busiest runs ceil(tasks / threads) of them.
   // Two passes spend 7 products per tile instead of 5 (1.4x), so one pass
   // wins while that imbalance costs at most 1.25x.
@@ -487,7 +490,7 @@ void FlashBackward(const FlashParams& p, ThreadPool& pool, const TensorView& dou
       for (int64_t kvb = 0; kvb < g.nkvb; ++kvb) {
         float* dk = part == 0 ? ws.dk.data() : later_tile(b, kh, part, kvb);
         float* dv = part == 0 ? ws.dv.data() : dk + g.bkv * g.ld_d;
-        KvBlock(c, cols, b, kh, kvb, part, /*kv_ready=*/false, Uses::kAll, ws, st, dk, dv,
+        KvBlock(c, cols, b, kh, kvb, part, per_part, /*kv_ready=*/false, Uses::kAll, ws, st, dk, dv,
                 [&](int64_t h, int64_t qb, BlockKind kind, const KvTile& kvt) {
                   AccumulateQ(c, kvt, qb, kvb, dq_tile(h, qb), ws);
                   CountTile(kind, g, g.QRows(qb), g.KvRows(kvb), st);
@@ -520,8 +523,9 @@ void FlashBackward(const FlashParams& p, ThreadPool& pool, const TensorView& dou
       Workspace& ws = Workspace::ForThisThread(g, capped, tile_products);
       WorkerStats& st = wstats[static_cast<size_t>(worker)];
       for (int64_t part = 0; part < parts; ++part) {
-        KvBlock(c, cols, b, kh, kvb, part, /*kv_ready=*/part > 0, Uses::kKv, ws, st, ws.dk.data(),
-                ws.dv.data(), [&](int64_t, int64_t qb, BlockKind kind, const KvTile&) {
+        KvBlock(c, cols, b, kh, kvb, part, per_part, /*kv_ready=*/part > 0, Uses::kKv, ws, st,
+                ws.dk.data(), ws.dv.data(),
+                [&](int64_t, int64_t qb, BlockKind kind, const KvTile&) {
                   CountTile(kind, g, g.QRows(qb), g.KvRows(kvb), st);
                   st.flops -= 2 * g.QRows(qb) * g.KvRows(kvb) * g.d;  // no dQ product here
                 });

@@ -172,7 +172,7 @@ KvRows::KvRows(const FlashParams& p, const Geometry& g, KeyFormat keys, double u
   // back to back and (V's aliasing penalty being per use) either read like
   // a packed tile or a tile used about once (decoding: a copy would cost a
   // whole extra pass over K and V).
-  const bool in_place_as_is = keys == KeyFormat::kF32 && k_rows_dense && v_whole_vectors &&
+  const bool in_place_as_is = keys == KeyFormat::kF32 && k_f32 && k_rows_dense && v_whole_vectors &&
                               v.stride[1] == g.dv && (v_like_packed || uses < kCopyMinUses);
   const bool bf16_keys = keys == KeyFormat::kBf16 || keys == KeyFormat::kBf16Tiles;
   if (tile_cache && !bf16_keys && k_f32 && v_f32 && uses < kPackMinUses && !in_place_as_is) {

@@ -268,8 +268,9 @@ T* Grow(AlignedBuffer<T>& buf, int64_t n) {
 // merged in range order at the end (split-K, as flash-decoding does on
 // GPUs): when a call has fewer than 16 (batch, head, q block) tasks —
 // decoding — one per thread would leave cores idle while each walks the
-// whole of K and V. Up to 16 items, ranges of at least 8 tiles; a function
-// of the shapes only, so results stay independent of the thread count.
+// whole of K and V. At least 16 items where the tiles allow (fewer than 32),
+// ranges of at least 8 tiles; a function of the shapes only, so results stay
+// independent of the thread count.
 int64_t ForwardKvSplits(const Geometry& g);
 
 // Into how many parts FlashBackward splits each kv head's group of query

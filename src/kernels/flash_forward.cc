@@ -1,7 +1,12 @@
 // FlashForward (flash.h): block-sparse online-softmax attention, SPEC §2
-// steps 1-3 and 5 (no sinks; the caller adds them once per row).
+// steps 1-3 and 5 (no sinks, but for FlashForwardBf16Out, which applies them
+// to each finished row; otherwise the caller adds them once per row).
 //
-// Tasks are (batch, query head, q block); each packs its Q block once as Q^T
+// Short query blocks with GQA/MQA run as a stacked problem (flash_stacked.h)
+// whose rows are finished straight into their places (OutRows, Place).
+// Tasks are (batch, query head, q block) — split further into ranges of kv
+// tiles when there are few (ForwardKvSplits: partial results merged in range
+// order); each packs its Q block once as Q^T
 // (lanes = queries) and walks the non-empty kv tiles of its block-map row in
 // the transposed layout of micro.h:
 //   P^T = softmax step of (K Q^T)^T   (fused, lazily rescaled: ForwardTileFn)
@@ -154,15 +159,29 @@ void StreamFence() {
 // Where FinishRows writes out rows: f32 (`f32`, contiguous, merged into when
 // merging), or, not merging, bf16 (`bf16.data`, f32 null, with its strides
 // and sinks); `overflow` is set if a finite value rounded to a bf16 infinity.
+// With stack_group > 0 the rows are those of a stacked problem (flash_stacked.h):
+// its row r of kv head kh is row r / g of head kh * g + r % g (g = stack_group)
+// of the caller's [B, sq, h] rows, where out and lse live.
 struct OutRows {
   float* f32 = nullptr;
   Bf16Out bf16;
   std::atomic<bool>* overflow = nullptr;
+  int64_t stack_group = 0, sq = 0, h = 0;
 
   uint16_t* Bf16Row(int64_t b, int64_t i, int64_t h) const {
     return bf16.data + b * bf16.stride[0] + i * bf16.stride[1] + h * bf16.stride[2];
   }
 };
+
+// Where row `row` of head `h` of a call with geometry g goes in `out`:
+// (row, head) and the out's own rows and heads.
+struct RowAt {
+  int64_t row, head, sq, h;
+};
+RowAt Place(const Geometry& g, const OutRows& out, int64_t row, int64_t h) {
+  if (out.stack_group == 0) return {row, h, g.sq, g.h};
+  return {row / out.stack_group, h * out.stack_group + row % out.stack_group, out.sq, out.h};
+}
 
 // Row i (dv values, already scaled, in a) as bf16 into dst.
 void StoreRowBf16(const float* a, int64_t dv, uint16_t* dst, std::atomic<bool>* overflow) {
@@ -174,34 +193,33 @@ void StoreRowBf16(const float* a, int64_t dv, uint16_t* dst, std::atomic<bool>* 
   if (over) overflow->store(true, std::memory_order_relaxed);
 }
 
-// out = acc / l and lse = m + log(l) for the task's rows (0 and -inf for a
-// row without keys); with `merge`, that partial result is merged into the
-// rows' existing (out, lse) by MergePartial, one row at a time; with a bf16
-// out, its sink (if any) is applied and it is rounded into it. `stream`: f32
-// out rows written with non-temporal stores (ForwardCall::stream_, never
-// when merging or rounding).
 // Row (b, row, h) of a finished partial result (part [dv], part_lse) into
-// `out` / lse [B, H, Sq]: merged into the existing row (MergePartial), or
-// stored — its sink applied and rounded for a bf16 out; part may be
-// clobbered. Unless `in_place`: part already is the f32 out row.
+// `out` / lse [B, H, Sq] (through Place): merged into the existing row
+// (MergePartial), or stored — its sink applied and rounded for a bf16 out;
+// part may be clobbered. With `in_place`, part already is the f32 out row.
 void EmitRow(const Geometry& g, int64_t b, int64_t row, int64_t h, float* part, float part_lse,
              bool merge, const OutRows& out, float* lse, bool in_place) {
-  const int64_t at = ((b * g.sq + row) * g.h + h) * g.dv;
-  float* l_out = lse + (b * g.h + h) * g.sq + row;
+  const RowAt to = Place(g, out, row, h);
+  const int64_t at = ((b * to.sq + to.row) * to.h + to.head) * g.dv;
+  float* l_out = lse + (b * to.h + to.head) * to.sq + to.row;
   if (merge) {
     MergePartial(RowShape{1, 1, 1, g.dv}, out.f32 + at, l_out, part, &part_lse);
   } else if (out.bf16.data != nullptr) {
     if (out.bf16.sinks != nullptr) {
-      ApplySinks(RowShape{1, 1, 1, g.dv}, part, &part_lse, out.bf16.sinks + h);
+      ApplySinks(RowShape{1, 1, 1, g.dv}, part, &part_lse, out.bf16.sinks + to.head);
     }
     *l_out = part_lse;
-    StoreRowBf16(part, g.dv, out.Bf16Row(b, row, h), out.overflow);
+    StoreRowBf16(part, g.dv, out.Bf16Row(b, to.row, to.head), out.overflow);
   } else {
     *l_out = part_lse;
     if (!in_place) std::memcpy(out.f32 + at, part, static_cast<size_t>(g.dv) * sizeof(float));
   }
 }
 
+// out = acc / l and lse = m + log(l) for the task's rows (0 and -inf for a
+// row without keys), each then emitted (EmitRow): merged, stored, or its sink
+// applied and rounded. `stream`: f32 out rows written with non-temporal
+// stores (ForwardCall::stream_, never when merging or rounding).
 void FinishRows(const Geometry& g, int64_t b, int64_t h, int64_t qb, int64_t m, BlockState& ws,
                 bool merge, bool stream, const OutRows& out, float* lse) {
   for (int64_t i = 0; i < m; ++i) {
@@ -210,7 +228,8 @@ void FinishRows(const Geometry& g, int64_t b, int64_t h, int64_t qb, int64_t m, 
     // The row's partial result; in place of its accumulator when merging or
     // rounding to bf16.
     const bool in_place = !merge && out.bf16.data == nullptr;
-    float* part = in_place ? out.f32 + ((b * g.sq + row) * g.h + h) * g.dv : a;
+    const RowAt to = Place(g, out, row, h);
+    float* part = in_place ? out.f32 + ((b * to.sq + to.row) * to.h + to.head) * g.dv : a;
     float part_lse = kNegInf;
     const float l = ws.row_sum[i];
     if (l > 0.0f) {
@@ -541,25 +560,13 @@ void Forward(const FlashParams& p, ThreadPool& pool, bool merge, const OutRows& 
     return;
   }
   if (StackedHeads::Applies(p)) {
-    // The stacked problem into f32 scratch (Sq is small), then each row to
-    // its place in `out` as FinishRows would have put it.
-    const StackedHeads st(p);
-    const int64_t rows = g.sq * st.group();
-    std::vector<float> out_s(static_cast<size_t>(g.b * rows * g.hkv * g.dv));
-    std::vector<float> lse_s(static_cast<size_t>(g.b * g.hkv * rows));
-    Forward(st.params(), pool, /*merge=*/false,
-            OutRows{.f32 = out_s.data(), .bf16 = {}, .overflow = nullptr}, lse_s.data(), stats);
-    for (int64_t b = 0; b < g.b; ++b) {
-      for (int64_t r = 0; r < rows; ++r) {
-        const int64_t i = r / st.group(), hh = r % st.group();
-        for (int64_t kh = 0; kh < g.hkv; ++kh) {
-          float* part = out_s.data() + ((b * rows + r) * g.hkv + kh) * g.dv;
-          const float part_lse = lse_s[static_cast<size_t>((b * g.hkv + kh) * rows + r)];
-          EmitRow(g, b, i, kh * st.group() + hh, part, part_lse, merge, out, lse,
-                  /*in_place=*/false);
-        }
-      }
-    }
+    // The stacked problem, its rows finished straight into their places.
+    const StackedHeads st(p, pool);
+    OutRows stacked = out;
+    stacked.stack_group = st.group();
+    stacked.sq = g.sq;
+    stacked.h = g.h;
+    Forward(st.params(), pool, merge, stacked, lse, stats);
     return;
   }
   ForwardCall(p, g, pool, merge, out, lse).Run(stats);
@@ -568,10 +575,11 @@ void Forward(const FlashParams& p, ThreadPool& pool, bool merge, const OutRows& 
 }  // namespace
 
 int64_t ForwardKvSplits(const Geometry& g) {
-  // Up to kSplitTasks items, ranges of at least kMinSplitTiles tiles.
+  // At least kSplitTasks items where the tiles allow (fewer than twice as
+  // many), ranges of at least kMinSplitTiles tiles.
   constexpr int64_t kSplitTasks = 16, kMinSplitTiles = 8;
   const int64_t tasks = g.b * g.h * g.nqb;
-  if (tasks >= kSplitTasks) return 1;
+  if (tasks == 0 || tasks >= kSplitTasks) return 1;
   return std::clamp<int64_t>(std::min((kSplitTasks + tasks - 1) / tasks, g.nkvb / kMinSplitTiles),
                              1, kSplitTasks);
 }

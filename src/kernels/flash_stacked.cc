@@ -11,7 +11,7 @@ bool StackedHeads::Applies(const FlashParams& p) {
   return hkv > 0 && h > hkv && head_independent && sq > 0 && 2 * sq <= p.blocks.q;
 }
 
-StackedHeads::StackedHeads(const FlashParams& p) : params_(p) {
+StackedHeads::StackedHeads(const FlashParams& p, ThreadPool& pool) : params_(p) {
   const TensorView& q = p.q;
   const int64_t b = q.shape[0], sq = q.shape[1], h = q.shape[2], d = q.shape[3];
   const int64_t hkv = p.k.shape[2];
@@ -21,23 +21,22 @@ StackedHeads::StackedHeads(const FlashParams& p) : params_(p) {
   const size_t elem = DTypeSize(q.dtype);
   const auto* src = static_cast<const char*>(q.data);
   auto* dst = static_cast<char*>(q_.data());
-  for (int64_t bi = 0; bi < b; ++bi) {
-    for (int64_t i = 0; i < sq; ++i) {
-      for (int64_t hh = 0; hh < group_; ++hh) {
-        for (int64_t kh = 0; kh < hkv; ++kh) {
-          const char* from = src + q.Offset(bi, i, kh * group_ + hh) * static_cast<int64_t>(elem);
-          char* to = dst + (((bi * rows + i * group_ + hh) * hkv + kh) * d) * elem;
-          if (q.stride[3] == 1) {
-            std::memcpy(to, from, static_cast<size_t>(d) * elem);
-          } else {
-            for (int64_t c = 0; c < d; ++c) {
-              std::memcpy(to + c * elem, from + c * q.stride[3] * static_cast<int64_t>(elem), elem);
-            }
+  pool.ParallelFor(b * sq, [&](int64_t task, int) {
+    const int64_t bi = task / sq, i = task % sq;
+    for (int64_t hh = 0; hh < group_; ++hh) {
+      for (int64_t kh = 0; kh < hkv; ++kh) {
+        const char* from = src + q.Offset(bi, i, kh * group_ + hh) * static_cast<int64_t>(elem);
+        char* to = dst + (((bi * rows + i * group_ + hh) * hkv + kh) * d) * elem;
+        if (q.stride[3] == 1) {
+          std::memcpy(to, from, static_cast<size_t>(d) * elem);
+        } else {
+          for (int64_t c = 0; c < d; ++c) {
+            std::memcpy(to + c * elem, from + c * q.stride[3] * static_cast<int64_t>(elem), elem);
           }
         }
       }
     }
-  }
+  });
   q_pos_.resize(static_cast<size_t>(rows));
   for (int64_t i = 0; i < sq; ++i) {
     for (int64_t hh = 0; hh < group_; ++hh) {

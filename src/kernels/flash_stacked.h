@@ -11,7 +11,8 @@
 //   q_pos'[i * g + hh]          = q_pos[i]
 //   q_segments'[b, i * g + hh]  = q_segments[b, i]
 // with k, v, kv_pos and kv_segments unchanged (H' = Hkv, one head per group).
-// Its results map back row for row:
+// Its results map back row for row (FlashForward finishes each stacked row
+// straight into its place):
 //   out'[b, i * g + hh, kh, :] -> out[b, i, kh * g + hh, :]
 //   lse'[b, kh, i * g + hh]    -> lse[b, kh * g + hh, i]
 // Each row sees the same keys in the same order; which tiles take the lazy
@@ -26,6 +27,7 @@
 
 #include "ringsplash/tensor.h"
 #include "src/kernels/flash.h"
+#include "src/kernels/thread_pool.h"
 
 namespace ringsplash::kernels {
 
@@ -35,7 +37,8 @@ class StackedHeads {
   // same for every head, and Sq at most half a q block.
   static bool Applies(const FlashParams& p);
 
-  explicit StackedHeads(const FlashParams& p);
+  // Copies q (rows of each batch element in parallel on `pool`).
+  StackedHeads(const FlashParams& p, ThreadPool& pool);
   StackedHeads(const StackedHeads&) = delete;
   StackedHeads& operator=(const StackedHeads&) = delete;
 

@@ -7,6 +7,8 @@
 #include <cmath>
 #include <sstream>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "ringsplash/error.h"
 
@@ -273,6 +275,20 @@ void ValidateBackwardArgs(const AttentionDims& d, const AttentionInputs& in, con
     Check(!dsinks.defined(), "dsinks: expected none (no sinks were given), got ",
           dsinks.Describe());
   }
+}
+
+bool StridesNest(const TensorView& t) {
+  std::vector<std::pair<int64_t, int64_t>> dims;  // (stride, size) of dims of size > 1
+  for (int i = 0; i < t.ndim; ++i) {
+    if (t.shape[i] > 1) dims.emplace_back(t.stride[i], t.shape[i]);
+  }
+  std::sort(dims.begin(), dims.end());
+  int64_t extent = 1;  // elements spanned by the dims so far
+  for (const auto& [stride, size] : dims) {
+    if (stride < extent) return false;
+    extent = stride * (size - 1) + extent;
+  }
+  return true;
 }
 
 }  // namespace kernels

@@ -32,6 +32,13 @@ void ValidateBackwardArgs(const AttentionDims& dims, const AttentionInputs& in,
                           const TensorView& dq, const TensorView& dk, const TensorView& dv,
                           const TensorView& dsinks);
 
+// Whether no two elements of t can share memory because its dims nest: taken
+// by increasing stride, each dim's stride is at least the extent of the ones
+// before it (dense layouts in any dim order, and padded ones). The kernels
+// write such outputs from several threads directly; validation refuses only
+// the plainly overlapping views (a zero stride, two dims with one stride).
+bool StridesNest(const TensorView& t);
+
 }  // namespace ringsplash::kernels
 
 #endif  // RINGSPLASH_KERNELS_VALIDATE_H_

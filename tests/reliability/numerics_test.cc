@@ -207,6 +207,11 @@ void CheckAllPoisonCases(PoisonCheck check, Outputs which) {
       ExpectPoisonRule(in, opt, dout, api, c.name + ", ring of 3, " + LayoutName(layout), check,
                        which);
     }
+    // 12 query rows per rank and q blocks of 32: every step's forward stacks
+    // the two query heads of each kv head into rows (flash_stacked.h).
+    opt.block_sizes = {32, 32};
+    const ApiResult api = RunRingThreads(in, opt, dout, 8, Layout::kZigzag);
+    ExpectPoisonRule(in, opt, dout, api, c.name + ", ring of 8, stacked heads", check, which);
   }
 }
 
@@ -231,6 +236,39 @@ TEST(NumericsPoison, DependentForwardRowsAreNonFinite) {
 
 TEST(NumericsPoison, DependentGradientsAreNonFinite) {
   CheckAllPoisonCases(PoisonCheck::kPropagation, Outputs::kBackward);
+}
+
+// Decoding-sized calls: 4 query rows of an MQA group run stacked (one head
+// of 16 rows, flash_stacked.h) and split over ranges of kv tiles
+// (ForwardKvSplits). The NaN/Inf check must still see every row it reads: a
+// NaN key the mask rules out stays out, an infinite value and a NaN query
+// reach exactly their rows.
+TEST(NumericsPoison, StackedAndSplitDecodingSteps) {
+  ProblemSpec spec(1, 4, 400, 4, 1, 16, 16);
+  Rng rng(2025);
+  OwnedInputs in = RandomInputs(rng, spec);
+  Tensor dout = RandomTensor(rng, DType::kF32, OutShape(in));
+  SetRow(in.k, 0, 300, 0, kNaN);  // masked for every query (key > q + 250)
+  SetRow(in.v, 0, 100, 0, kInf);  // seen by every query
+  AttentionOptions opt;
+  opt.mask = Mask::Local(std::nullopt, 250);
+  opt.block_sizes = {16, 16};
+  opt.num_threads = 2;
+  for (const bool inf_value : {true, false}) {
+    if (!inf_value) {  // only a NaN query row: the others stay finite
+      SetRow(in.v, 0, 100, 0, 1.0f);
+      SetRow(in.q, 0, 2, 1, kNaN);
+    }
+    for (KernelPath path : SupportedKernelPaths()) {
+      opt.kernel_path = path;
+      const ApiResult api = RunAttention(in, opt, &dout);
+      const std::string what = std::string("stacked decoding, path ") + KernelPathName(path) +
+                               (inf_value ? ", inf value" : ", NaN query");
+      for (const PoisonCheck check : {PoisonCheck::kConfinement, PoisonCheck::kPropagation}) {
+        ExpectPoisonRule(in, opt, dout, api, what, check, Outputs::kForward);
+      }
+    }
+  }
 }
 
 // 16-bit inputs reach the forward's NaN/Inf check along other roads: widened
