@@ -465,8 +465,12 @@ void FlashBackward(const FlashParams& p, ThreadPool& pool, const TensorView& dou
     std::vector<AlignedBuffer<float>> dq(static_cast<size_t>(pool.size()));
     // dK/dV tiles of parts 1 .. parts-1 per (b, kh): [nkvb][bkv][ld_d] and
     // [nkvb][bkv][ld_dv] each (part 0 adds its tiles to the accumulators).
+    // One worker runs the tasks in order, parts of a (b, kh) one after the
+    // other, so every part adds its tiles as it goes: the same sums in the
+    // same order, without the buffers.
+    const bool in_order = pool.size() == 1;
     const int64_t tile_elems = g.bkv * (g.ld_d + g.ld_dv);
-    const int64_t later_parts = g.b * g.hkv * (parts - 1);
+    const int64_t later_parts = in_order ? 0 : g.b * g.hkv * (parts - 1);
     AlignedBuffer<float> later;
     later.Resize(static_cast<size_t>(later_parts * g.nkvb * tile_elems), /*zero=*/false);
     auto later_tile = [&](int64_t b, int64_t kh, int64_t part, int64_t kvb) {
@@ -488,20 +492,21 @@ void FlashBackward(const FlashParams& p, ThreadPool& pool, const TensorView& dou
         return dqs.data() + ((h - h0) * g.nqb + qb) * g.bq * g.ld_d;
       };
       for (int64_t kvb = 0; kvb < g.nkvb; ++kvb) {
-        float* dk = part == 0 ? ws.dk.data() : later_tile(b, kh, part, kvb);
-        float* dv = part == 0 ? ws.dv.data() : dk + g.bkv * g.ld_d;
+        const bool direct = part == 0 || in_order;
+        float* dk = direct ? ws.dk.data() : later_tile(b, kh, part, kvb);
+        float* dv = direct ? ws.dv.data() : dk + g.bkv * g.ld_d;
         KvBlock(c, cols, b, kh, kvb, part, per_part, /*kv_ready=*/false, Uses::kAll, ws, st, dk, dv,
                 [&](int64_t h, int64_t qb, BlockKind kind, const KvTile& kvt) {
                   AccumulateQ(c, kvt, qb, kvb, dq_tile(h, qb), ws);
                   CountTile(kind, g, g.QRows(qb), g.KvRows(kvb), st);
                 });
-        if (part == 0) AddKvTile(g, b, kh, kvb, dk, dv, dk_acc, dv_acc);
+        if (direct) AddKvTile(g, b, kh, kvb, dk, dv, dk_acc, dv_acc);
       }
       for (int64_t h = h0; h < h0 + per_part; ++h) {
         for (int64_t qb = 0; qb < g.nqb; ++qb) AddQTile(g, b, h, qb, dq_tile(h, qb), dq_acc);
       }
     });
-    if (parts > 1) {
+    if (parts > 1 && !in_order) {
       pool.ParallelFor(g.b * g.hkv * g.nkvb, [&](int64_t task, int) {
         const int64_t kvb = task % g.nkvb, kh = (task / g.nkvb) % g.hkv;
         const int64_t b = task / (g.nkvb * g.hkv);
