@@ -25,7 +25,8 @@
 //     then q blocks, with the part's dQ tiles in a per-task scratch; each
 //     tile computed once. Part 0 adds its dK/dV tiles to the accumulators
 //     as it goes; later parts keep theirs in per-part buffers, added in part
-//     order once every task is done;
+//     order once every task is done (with one worker, which runs the parts
+//     in order, they add theirs as they go too);
 //   two passes (when there are still too few tasks to keep the threads
 //     busy): tasks (batch, kv head, kvb) for dK/dV, then tasks (batch, head,
 //     q block) for dQ, recomputing P^T and dS^T with the same kernel on the

@@ -540,20 +540,14 @@ void Forward(const FlashParams& p, ThreadPool& pool, bool merge, const OutRows& 
              KernelStats* stats) {
   const Geometry g = Geometry::Of(p);
   if (g.b == 0 || g.sq == 0 || g.h == 0) return;
-  if (g.skv == 0) {  // nothing to attend to: every row is empty
+  if (g.skv == 0) {  // nothing to attend to: every row is empty (out 0, lse -inf)
     if (merge) return;
-    if (out.bf16.data == nullptr) {
-      std::memset(out.f32, 0, static_cast<size_t>(g.b * g.sq * g.h * g.dv) * sizeof(float));
-      for (int64_t i = 0; i < g.b * g.h * g.sq; ++i) lse[i] = kNegInf;
-      return;
-    }
-    // bf16: with sinks, each row's denominator is its sink alone.
+    std::vector<float> zero(static_cast<size_t>(g.dv));
     for (int64_t b = 0; b < g.b; ++b) {
-      for (int64_t h = 0; h < g.h; ++h) {
-        const float l = out.bf16.sinks != nullptr ? out.bf16.sinks[h] : kNegInf;
-        for (int64_t i = 0; i < g.sq; ++i) {
-          std::memset(out.Bf16Row(b, i, h), 0, static_cast<size_t>(g.dv) * sizeof(uint16_t));
-          lse[(b * g.h + h) * g.sq + i] = l;
+      for (int64_t i = 0; i < g.sq; ++i) {
+        for (int64_t h = 0; h < g.h; ++h) {
+          std::fill(zero.begin(), zero.end(), 0.0f);
+          EmitRow(g, b, i, h, zero.data(), kNegInf, /*merge=*/false, out, lse, /*in_place=*/false);
         }
       }
     }
