@@ -167,6 +167,62 @@ TEST(FlashTest, BackwardHeadPartsMatchReferenceOnAnyThreadCount) {
   EXPECT_EQ(r.bwd_stats.flops, tiles * 2 * 16 * 16 * (3.0 * 16 + 2.0 * 16));
 }
 
+// The one-pass backward computes a group of up to four kv tiles per pass
+// over the q tiles (kKvGroup in flash_backward.cc), walking the tiles' runs
+// of q blocks together; the two-pass schedule takes one kv tile at a time.
+// 11 kv tiles of 16 keys (groups of 4, 4 and 3) under masks whose runs start,
+// end and break at different q blocks for each tile of a group: gradients
+// against the reference, and bitwise the same on 1 thread (one pass, tiles
+// added in order), 2 (one pass, the later head part's tiles buffered) and 3
+// (two passes: 4 tasks would leave a thread idle half the time).
+TEST(FlashTest, BackwardKvGroupsMatchOneTileAtATime) {
+  const Shape sh{1, 150, 170, 4, 2, 16, 16};
+  // Per head, blocks of 16 x 16 with no allowed pair in a pattern that
+  // differs from one kv block (and head) to the next, so a kv tile's runs
+  // break where its neighbours' do not; inside the other blocks a sparse
+  // element pattern.
+  std::vector<uint8_t> dense(static_cast<size_t>(sh.h * sh.sq * sh.skv));
+  for (int64_t h = 0; h < sh.h; ++h) {
+    for (int64_t i = 0; i < sh.sq; ++i) {
+      for (int64_t j = 0; j < sh.skv; ++j) {
+        const bool block = ((i / 16) * 7 + (j / 16) * 3 + h) % 5 != 0;
+        dense[static_cast<size_t>((h * sh.sq + i) * sh.skv + j)] = block && (i + 2 * j) % 7 != 0;
+      }
+    }
+  }
+  const std::vector<std::pair<Mask, bool>> cases = {
+      // mask, segments
+      {Mask::Causal(20), false},
+      {Mask::Local(40, 10), true},
+      {Mask::Local(20, 0) | Mask::Local(20, 0, -90), false},  // two runs per kv tile
+      {Mask::Dense(dense, sh.h, sh.sq, sh.skv), false},
+  };
+  uint64_t seed = 740;
+  for (const auto& [mask, segments] : cases) {
+    for (KernelPath path : SupportedKernelPaths()) {
+      for (DType dtype : {DType::kF32, DType::kBF16}) {
+        RunConfig s;
+        s.path = path;
+        s.mask = mask;
+        s.blocks = {16, 16};
+        s.threads = 1;
+        CheckAgainstReference(sh, dtype, s, segments, ++seed);
+        Problem prob(seed, SpecOf(sh, dtype, segments));
+        const kernels::Geometry g = kernels::Geometry::Of(prob.Params(s));
+        ASSERT_EQ(g.nkvb, 11);
+        const Result r1 = prob.Run(s, true);
+        for (int threads : {2, 3}) {
+          s.threads = threads;
+          EXPECT_EQ(kernels::BackwardInOnePass(g, threads), threads == 2);
+          EXPECT_TRUE(BitwiseEqual(r1, prob.Run(s, true)))
+              << mask.ToString() << " " << KernelPathName(path) << " " << DTypeName(dtype) << ", "
+              << threads << " threads";
+        }
+      }
+    }
+  }
+}
+
 // Short query blocks with GQA / MQA (decoding, speculative and chunked
 // steps) stack the query heads of each kv group into rows of one q block
 // (flash_stacked.h). Against the reference: decode steps at the end of the

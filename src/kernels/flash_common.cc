@@ -308,6 +308,10 @@ float* TileCopies::Find(uint64_t call, int64_t tile, int64_t floats, int64_t bud
   return data_.data() + (s - slots_.data()) * floats_;
 }
 
+int64_t KvTileCache::Together(const Geometry& g) {
+  return TileCopies::Slots(g.bkv * (g.ld_d + g.ld_dv), kBudgetBytes);
+}
+
 KvTile KvTileCache::Get(const KvRows& kv, const micro::MicroKernels& mk, int64_t b, int64_t kh,
                         int64_t kvb, bool* non_finite) {
   const Geometry& g = kv.g_;

@@ -237,12 +237,15 @@ struct KvTile {
 class KvTileCache {
  public:
   static constexpr int64_t kBudgetBytes = 1280 * 1024;
-  // Valid until this cache's next Get. With non_finite, a copy made here sets
+  // The tiles of the last Together(g) Gets are valid together (copies
+  // leave least recently used first). With non_finite, a copy made here sets
   // *non_finite if the tile's K or V rows hold a NaN or an infinity (checked
   // while copying): every tile a thread computes is copied by it at least
   // once per call, so this checks each computed tile (FlashParams::non_finite).
   KvTile Get(const KvRows& kv, const micro::MicroKernels& mk, int64_t b, int64_t kh, int64_t kvb,
              bool* non_finite = nullptr);
+  // At least 2: how many kv tiles of g fit in the copies.
+  static int64_t Together(const Geometry& g);
 
  private:
   TileCopies copies_;
