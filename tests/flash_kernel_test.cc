@@ -133,6 +133,47 @@ TEST(FlashTest, HeadDimsAndRaggedShapesOnEveryPath) {
   }
 }
 
+// The paths that round P to bf16 for P V (amx with bf16 inputs) are held
+// elsewhere to a worst-case bound of 2^-8 max|v| on every element, loose
+// enough that a key dropped or counted twice by their tile loops (32-key
+// steps, V pairs, padding) could pass. With q = k = 0 every logit is 0, so
+// P = 1 before normalisation, exact in bf16: out_i is the mean of v over the
+// keys row i may see with only f32 rounding, held to the f32 tolerance,
+// where one key more or less moves it by ~|v_j - out_i| / 600 (>= 1e-4 of
+// max|out| for most keys). Under the full mask the backward's P = 1/512 is
+// exact in bf16 too, so dV = P^T dO is held to the f32 tolerance as well.
+TEST(FlashTest, ExactProbabilitiesLeaveOnlyF32ErrorOnRoundingPaths) {
+  int checked = 0;
+  for (KernelPath path : SupportedKernelPaths()) {
+    if (!RoundsP(path)) continue;
+    for (const Mask& mask : {Mask::Full(), Mask::Causal(600 - 64)}) {
+      // Sq = 64 against Skv = 512 (full) and 600 (causal, bottom-right
+      // aligned: rows see 537 to 600 keys); Dv = 48 pads the V pairs.
+      const int64_t skv = mask.ToString() == "full" ? 512 : 600;
+      ProblemSpec spec(1, 64, skv, 2, 1, 32, 48);
+      spec.dtype = DType::kBF16;
+      spec.qk_range = 0.0;
+      Problem prob(760 + static_cast<uint64_t>(skv), spec);
+      RunConfig s;
+      s.path = path;
+      s.mask = mask;
+      s.blocks = {64, 128};
+      const testing::RefProblem rp = prob.Ref(s);
+      const testing::RefForward ref = testing::ReferenceForward(rp);
+      const Result r = prob.Run(s, /*backward=*/true, &ref);
+      const std::string what = std::string(KernelPathName(path)) + " " + mask.ToString();
+      ExpectClose(r.out, ref.out, kF32Tol, "out " + what);
+      ExpectClose(r.lse, ref.lse, kF32Tol, "lse " + what);
+      if (skv == 512) {
+        const testing::RefBackward g = testing::ReferenceBackward(rp, prob.Dout());
+        ExpectClose(r.dv, g.dv, kF32Tol, "dv " + what);
+      }
+      ++checked;
+    }
+  }
+  if (checked == 0) GTEST_SKIP() << "no kernel path here rounds P to bf16";
+}
+
 TEST(FlashTest, MasksGqaAndBlockShapes) {
   const std::vector<Mask> masks = {Mask::Full(), Mask::Causal(7), Mask::Local(5, 9),
                                    Mask::ChunkedCausal(24),
