@@ -161,6 +161,31 @@ TEST(ApplySinksTest, MatchesReferenceWithSinks) {
   EXPECT_EQ(out[0], 0.0f);
 }
 
+// Large logits: at lse = 8324.25 the f32 lse cannot hold a sink's share of
+// 2.1e-5 (its spacing there is 2^-10), so out must be scaled by the keys'
+// share sigmoid(lse - sink) itself, not by exp(lse - rounded new lse) = 1.
+// The backward's D = dout . out is all that carries that share into the
+// gradients (p = exp(s - lse) rounds to 1 there): an unscaled out left dq 0
+// where it should be 2.1e-5 dP K. Both sides of the sink, f64 expectations.
+TEST(ApplySinksTest, SmallSharesSurviveLargeLse) {
+  const RowShape s{1, 2, 1, 2};
+  const float l = 8324.25f;
+  std::vector<float> out = {1.0f, -2.0f, 1.0f, -2.0f}, lse = {l, l};
+  const std::vector<float> sinks = {8313.5f};
+  // Row 0: sink 10.75 below. Row 1 is given lse 10.75 below the sink.
+  lse[1] = 8302.75f;
+  kernels::ApplySinks(s, out.data(), lse.data(), sinks.data());
+  const double share0 = 1.0 / (1.0 + std::exp(8313.5 - 8324.25));  // 1 - 2.1e-5
+  const double share1 = 1.0 / (1.0 + std::exp(8313.5 - 8302.75));  // 2.1e-5
+  // f32 rounding of the share and the product: a few units of 2^-24.
+  EXPECT_NEAR(out[0], share0, 4e-7);
+  EXPECT_NEAR(out[1], -2.0 * share0, 8e-7);
+  EXPECT_NEAR(out[2] / share1, 1.0, 4e-7);
+  EXPECT_NEAR(out[3] / share1, -2.0, 8e-7);
+  EXPECT_NEAR(lse[0], 8324.25, 1e-3);  // one f32 spacing
+  EXPECT_NEAR(lse[1], 8313.5, 1e-3);
+}
+
 TEST(ApplySinksTest, MinusInfinitySinkChangesNothing) {
   const RowShape s{1, 1, 1, 2};
   std::vector<float> out = {1.0f, 2.0f}, lse = {0.25f};

@@ -86,8 +86,14 @@ void ApplySinks(const RowShape& s, float* out, float* lse, const float* sinks) {
           lse[li] = sink;
           continue;
         }
-        const float l_new = std::max(l, sink) + std::log1p(std::exp(-std::fabs(l - sink)));
-        const float factor = std::exp(l - l_new);
+        // The keys' share of the new denominator, sigmoid(l - sink), from
+        // e = exp(-|l - sink|) directly: exp(l - l_new) would lose every
+        // sink share below lse's rounding (~5e-4 at |lse| ~ 8000), and the
+        // backward, whose D = dout . out then misses it, the sink's part of
+        // every gradient.
+        const float e = std::exp(-std::fabs(l - sink));
+        const float l_new = std::max(l, sink) + std::log1p(e);
+        const float factor = l >= sink ? 1.0f / (1.0f + e) : e / (1.0f + e);
         for (int64_t d = 0; d < s.dv; ++d) o[d] *= factor;
         lse[li] = l_new;
       }

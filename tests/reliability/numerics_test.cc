@@ -11,8 +11,10 @@
 //   - an f16 result that does not fit in f16 is reported, not stored as inf.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <iterator>
 #include <limits>
 #include <string>
 #include <vector>
@@ -22,6 +24,7 @@
 #include "ringsplash/mask.h"
 #include "ringsplash/ring.h"
 #include "tests/reliability/poison.h"
+#include "tests/support/accuracy.h"
 #include "tests/support/reference.h"
 #include "tests/support/test_util.h"
 
@@ -42,11 +45,6 @@ AttentionOptions WithMask(const Mask& mask) {
   AttentionOptions opt;
   opt.mask = mask;
   return opt;
-}
-
-std::vector<int64_t> OutShape(const OwnedInputs& o) {
-  const AttentionInputs in = o.inputs();
-  return {in.q.shape[0], in.q.shape[1], in.q.shape[2], in.v.shape[3]};
 }
 
 // Sets every element of one row of a [B, S, Heads, X] tensor to `value`.
@@ -347,8 +345,18 @@ OwnedInputs LargeLogitProblem(DType dtype, bool sinks, Rng& rng) {
   integers(in.k);
   in.v = TensorFromDoubles(ToDoubles(in.v.view()), dtype, in.v.shape());
   if (sinks) {
-    // Sinks beyond, inside and below the logit range.
-    const float s[] = {1.2e4f, -9.0e3f};
+    // Head 0's sink lies above every logit: it takes nearly all of each
+    // row's probability (out ~ 0, lse ~ the sink). Head 1's lies at the
+    // median of its rows' lse without a sink, so it shares the denominator
+    // with the keys in about half the rows and dsinks[1] is far from 0 (the
+    // test checks that under the full mask): a dsinks counted twice, or
+    // lost, shows.
+    AttentionInputs no_sinks = in.inputs();
+    no_sinks.sinks = TensorView();
+    const RefForward plain = ReferenceForward(MakeRefProblem(no_sinks, AttentionOptions{}));
+    std::vector<double> lse1(plain.lse.begin() + spec.sq, plain.lse.begin() + 2 * spec.sq);
+    std::nth_element(lse1.begin(), lse1.begin() + spec.sq / 2, lse1.end());
+    const float s[] = {1.2e4f, static_cast<float>(lse1[static_cast<size_t>(spec.sq / 2)])};
     std::memcpy(in.sinks.data(), s, sizeof s);
   }
   return in;
@@ -385,9 +393,17 @@ void ExpectLargeLogitsMatch(const ApiResult& api, const RefResult& ref, const Ow
                  {"dk", {&api.dk, &ref.bwd.dk}},
                  {"dv", {&api.dv, &ref.bwd.dv}},
                  {"dsinks", {&api.dsinks, &ref.bwd.dsinks}}};
-  for (const auto& [name, pair] : grads) {
-    const Comparison c = Compare(*pair.first, *pair.second);
-    EXPECT_LE(c.Relative(1e-6), 2e-2) << what << ": " << name << " " << c.Describe();
+  // Measured against the sum of each gradient's terms' magnitudes where
+  // that is larger (Errors): under such peaked softmaxes the gradients
+  // cancel to ~1e-4 where a sink or a second key holds a small share, while
+  // their terms are O(10), and the f32 lse (rounded by up to 5e-4 at |lse| ~
+  // 8000) moves each p by that much relative to it, i.e. the terms.
+  const Errors e = ErrorsOf(api, ref);
+  const double errs[] = {e.dq, e.dk, e.dv, e.dsinks};
+  for (size_t g = 0; g < std::size(grads); ++g) {
+    EXPECT_LE(errs[g], 2e-2) << what << ": " << grads[g].first << " "
+                             << Compare(*grads[g].second.first, *grads[g].second.second).Describe()
+                             << " (" << e.Describe() << ")";
   }
 }
 
@@ -404,6 +420,12 @@ TEST(NumericsLargeLogits, NoOverflowWithoutSoftCap) {
         AttentionOptions opt;
         opt.mask = mask;
         const RefResult ref = RunReference(in, opt, &dout);
+        if (sinks && mask.ToString() == "full") {
+          // Not vacuous: head 1's sink shares the denominator of the rows
+          // whose lse lies near it (the median row: half of it), so its
+          // gradient is of the order of those rows' D_i = dout_i . out_i.
+          EXPECT_GT(std::fabs(ref.bwd.dsinks[1]), 1e-2);
+        }
         for (KernelPath path : SupportedKernelPaths()) {
           opt.kernel_path = path;
           const std::string what = std::string(DTypeName(dtype)) + (sinks ? " sinks " : " ") +
@@ -424,9 +446,10 @@ TEST(NumericsLargeLogits, NoOverflowWithoutSoftCap) {
 // Rows with no allowed key: out exactly 0, lse exactly -inf (or exactly the
 // sink), dq exactly 0, keys nobody attends to get dk = dv = 0, and no NaN
 // anywhere; the rest matches the reference (kOutTol / kGradTol as above;
-// 16-bit inputs only change the values, which the reference sees as stored).
+// 16-bit inputs only change the values, which the reference sees as stored,
+// except on a path that rounds P and dS to bf16 for its products: `path`).
 void ExpectEmptyRowsClean(const OwnedInputs& in, const ApiResult& api, const RefResult& ref,
-                          const std::string& what) {
+                          KernelPath path, const std::string& what) {
   const AttentionInputs ai = in.inputs();
   const int64_t sq = ai.q.shape[1], h = ai.q.shape[2], dv = ai.v.shape[3], d = ai.q.shape[3];
   int64_t empty_rows = 0;
@@ -467,12 +490,14 @@ void ExpectEmptyRowsClean(const OwnedInputs& in, const ApiResult& api, const Ref
       EXPECT_EQ(api.dv[x], 0.0) << what << " dv " << x;
     }
   }
-  const bool low = ai.q.dtype != DType::kF32;
+  // P (and dS) rounded to bf16, relative 2^-8 each, move out by up to
+  // 2^-8 max|v| and the gradients likewise: 1e-2 relative bounds both here.
+  // Every other path and dtype computes in f32 on the stored inputs.
+  const bool rounds = testing::RoundsBf16Operands(ResolveKernelPath(path), ai.q.dtype);
   const Errors e = ErrorsOf(api, ref);
-  const double tol = low ? 1e-2 : kOutTol;  // bf16 P rounding on the bf16 path
-  EXPECT_LT(e.out, tol) << what << ": " << e.Describe();
+  EXPECT_LT(e.out, rounds ? 1e-2 : kOutTol) << what << ": " << e.Describe();
   EXPECT_LT(e.lse, kOutTol) << what << ": " << e.Describe();
-  EXPECT_LT(std::max({e.dq, e.dk, e.dv}), low ? 1e-2 : kGradTol) << what << ": " << e.Describe();
+  EXPECT_LT(std::max({e.dq, e.dk, e.dv}), rounds ? 1e-2 : kGradTol) << what << ": " << e.Describe();
 }
 
 TEST(NumericsEmptyRows, SingleDeviceAndRing) {
@@ -514,12 +539,12 @@ TEST(NumericsEmptyRows, SingleDeviceAndRing) {
       const std::string what = c.name + " " + DTypeName(dtype);
       for (KernelPath path : SupportedKernelPaths()) {
         opt.kernel_path = path;
-        ExpectEmptyRowsClean(in, RunAttention(in, opt, &dout), ref,
+        ExpectEmptyRowsClean(in, RunAttention(in, opt, &dout), ref, path,
                              what + " path " + KernelPathName(path));
       }
       opt.kernel_path = KernelPath::kAuto;
       for (Layout layout : {Layout::kContiguous, Layout::kZigzag, Layout::kStriped}) {
-        ExpectEmptyRowsClean(in, RunRingThreads(in, opt, dout, 4, layout), ref,
+        ExpectEmptyRowsClean(in, RunRingThreads(in, opt, dout, 4, layout), ref, KernelPath::kAuto,
                              what + " ring of 4 " + LayoutName(layout));
       }
     }
