@@ -5,6 +5,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <functional>
 #include <limits>
@@ -24,12 +25,24 @@ using Pred = std::function<bool(int64_t q, int64_t kv)>;
 // formulas, including negative kv - q differences.
 constexpr int64_t kGrid = 40;
 
+// The grid, then pairs far out (positions up to 2^40, as long sequences and
+// ring slices have them; the reference and the kernels' tile masks call
+// Allowed there): mostly near the diagonal, where offsets, windows and
+// chunk edges decide, some anywhere.
 void ExpectMatches(const Mask& m, const Pred& expected, const std::string& what, int64_t head = 0) {
   for (int64_t q = 0; q < kGrid; ++q) {
     for (int64_t kv = 0; kv < kGrid; ++kv) {
       ASSERT_EQ(m.Allowed(head, q, kv), expected(q, kv))
           << what << " head=" << head << " q=" << q << " kv=" << kv;
     }
+  }
+  std::mt19937_64 rng(std::hash<std::string>()(what) + static_cast<uint64_t>(head));
+  std::uniform_int_distribution<int64_t> far(0, int64_t{1} << 40), near(-3 * kGrid, 3 * kGrid);
+  for (int n = 0; n < 4000; ++n) {
+    const int64_t q = far(rng);
+    const int64_t kv = n % 8 == 0 ? far(rng) : std::max<int64_t>(0, q + near(rng));
+    ASSERT_EQ(m.Allowed(head, q, kv), expected(q, kv))
+        << what << " head=" << head << " q=" << q << " kv=" << kv;
   }
 }
 
