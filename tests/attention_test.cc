@@ -2,7 +2,7 @@
 // (tests/support/reference.h): every mask kind and combinations, dense masks,
 // segments, sinks, soft cap, GQA/MQA, Dv != D, Sq != Skv, strided views,
 // f32/bf16/f16, every supported KernelPath; plus empty rows, block-size and
-// thread-count invariance and block skipping proven by KernelStats.
+// thread-count invariance. Block skipping is in attention_skipping_test.cc.
 //
 // Tolerances: f32 and the bf16/f16 error model are explained in
 // tests/support/accuracy.{h,cc}.
@@ -580,107 +580,6 @@ TEST(InvarianceTest, AutoPathIsTheResolvedPath) {
   const ApiResult b = RunAttention(in, opt, &dout);
   EXPECT_EQ(a.out, b.out);
   EXPECT_EQ(a.dk, b.dk);
-}
-
-// ---- Block skipping ------------------------------------------------------------
-
-// Expected tile counts, derived element by element (independent of the
-// block map's analytic classification): a tile is computed iff some pair in
-// it is allowed, full iff every pair is.
-KernelStats ExpectedStats(const Mask& mask, int64_t b, int64_t h, int64_t sq, int64_t skv,
-                          int64_t bq, int64_t bkv) {
-  KernelStats s;
-  for (int64_t hh = 0; hh < h; ++hh)
-    for (int64_t q0 = 0; q0 < sq; q0 += bq)
-      for (int64_t k0 = 0; k0 < skv; k0 += bkv) {
-        int64_t allowed = 0, total = 0;
-        for (int64_t i = q0; i < std::min(q0 + bq, sq); ++i)
-          for (int64_t j = k0; j < std::min(k0 + bkv, skv); ++j, ++total)
-            allowed += mask.Allowed(hh, i, j) ? 1 : 0;
-        if (allowed == 0) {
-          s.skipped_blocks += b;
-        } else {
-          s.computed_blocks += b;
-          (allowed == total ? s.full_blocks : s.partial_blocks) += b;
-        }
-      }
-  return s;
-}
-
-void ExpectStats(const KernelStats& got, const KernelStats& want, const std::string& what) {
-  EXPECT_EQ(got.computed_blocks, want.computed_blocks) << what;
-  EXPECT_EQ(got.full_blocks, want.full_blocks) << what;
-  EXPECT_EQ(got.partial_blocks, want.partial_blocks) << what;
-  EXPECT_EQ(got.skipped_blocks, want.skipped_blocks) << what;
-}
-
-TEST(SkippingTest, CausalComputesAboutHalfTheTiles) {
-  const int64_t b = 2, h = 2, s = 256, bq = 32, bkv = 64;
-  Rng rng(10);
-  const OwnedInputs in = RandomInputs(rng, ProblemSpec{b, s, s, h, 1, 16, 16});
-  AttentionOptions opt;
-  opt.mask = Mask::Causal();
-  opt.block_sizes = {bq, bkv};
-  const Tensor dout = RandomTensor(rng, DType::kF32, OutShape(in));
-  const ApiResult r = RunAttention(in, opt, &dout);
-  // Closed form: q block qb (rows qb*bq .. qb*bq+bq-1) needs kv blocks
-  // 0 .. floor((qb*bq + bq - 1) / bkv); it is full for kv blocks whose last
-  // key (kb+1)*bkv - 1 <= qb*bq.
-  int64_t computed = 0, full = 0;
-  for (int64_t qb = 0; qb < s / bq; ++qb) {
-    computed += (qb * bq + bq - 1) / bkv + 1;
-    full += (qb * bq + 1) / bkv;  // kb with (kb + 1) * bkv <= qb * bq + 1
-  }
-  const int64_t total = (s / bq) * (s / bkv);
-  EXPECT_EQ(r.fwd.computed_blocks, b * h * computed);
-  EXPECT_EQ(r.fwd.full_blocks, b * h * full);
-  EXPECT_EQ(r.fwd.skipped_blocks, b * h * (total - computed));
-  ExpectStats(r.fwd, ExpectedStats(opt.mask, b, h, s, s, bq, bkv), "causal forward");
-  ExpectStats(r.bwd, ExpectedStats(opt.mask, b, h, s, s, bq, bkv), "causal backward");
-  // About half (plus the diagonal): 20 of 32 tiles per head here.
-  EXPECT_EQ(computed, 20);
-  EXPECT_EQ(total, 32);
-  // FLOPs are spent only on computed tiles: 2 * bq * bkv * (D + Dv) each.
-  EXPECT_EQ(r.fwd.flops, static_cast<double>(b * h * computed * 2 * bq * bkv * (16 + 16)));
-  EXPECT_LT(Compare(r.out, RunReference(in, opt, nullptr).fwd.out).Relative(), kF32Tol);
-}
-
-TEST(SkippingTest, SlidingWindowComputesAboutWindowOverBlockTilesPerRow) {
-  const int64_t s = 512, w = 64, bq = 16, bkv = 32;
-  Rng rng(11);
-  const OwnedInputs in = RandomInputs(rng, ProblemSpec{1, s, s, 1, 1, 16, 16});
-  AttentionOptions opt;
-  opt.mask = Mask::Local(w, 0);
-  opt.block_sizes = {bq, bkv};
-  const ApiResult r = RunAttention(in, opt, nullptr);
-  ExpectStats(r.fwd, ExpectedStats(opt.mask, 1, 1, s, s, bq, bkv), "local forward");
-  // Each q block touches keys [q0 - w, q0 + bq - 1]: at most
-  // (w + bq - 1) / bkv + 2 kv tiles, far fewer than the s / bkv = 16 a dense
-  // loop would compute.
-  const int64_t per_row_bound = (w + bq - 1) / bkv + 2;
-  EXPECT_LE(r.fwd.computed_blocks, (s / bq) * per_row_bound);
-  EXPECT_GE(r.fwd.computed_blocks, (s / bq - w / bq) * (w / bkv + 1));
-  EXPECT_LT(Compare(r.out, RunReference(in, opt, nullptr).fwd.out).Relative(), kF32Tol);
-}
-
-TEST(SkippingTest, SegmentsSkipTilesAcrossDocuments) {
-  // Two documents of 64 tokens each and Full mask: the cross-document tiles
-  // (half of them) are skipped.
-  Rng rng(12);
-  ProblemSpec spec{1, 128, 128, 1, 1, 16, 16};
-  spec.segments = true;
-  OwnedInputs in = RandomInputs(rng, spec);
-  for (int i = 0; i < 128; ++i) {
-    in.q_seg.data_as<int32_t>()[i] = i / 64;
-    in.kv_seg.data_as<int32_t>()[i] = i / 64;
-  }
-  AttentionOptions opt;
-  opt.block_sizes = {32, 32};
-  const ApiResult r = RunAttention(in, opt, nullptr);
-  EXPECT_EQ(r.fwd.computed_blocks, 8);
-  EXPECT_EQ(r.fwd.skipped_blocks, 8);
-  EXPECT_EQ(r.fwd.full_blocks, 8);
-  EXPECT_LT(Compare(r.out, RunReference(in, opt, nullptr).fwd.out).Relative(), kF32Tol);
 }
 
 // ---- Positions -------------------------------------------------------------------

@@ -368,6 +368,157 @@ TEST(BlockMapTest, ClassifyTileClaimsAreSoundForCompositions) {
   }
 }
 
+// Brute-force kind of `allowed` for head `head` on the integer rectangle
+// [q_lo, q_hi] x [kv_lo, kv_hi]; stops as soon as the rectangle is known to
+// be partial (most are), so large rectangles stay cheap.
+BlockKind BruteKind(const Pred& allowed, int64_t head, int64_t q_lo, int64_t q_hi, int64_t kv_lo,
+                    int64_t kv_hi) {
+  bool any_in = false, any_out = false;
+  for (int64_t q = q_lo; q <= q_hi && !(any_in && any_out); ++q) {
+    for (int64_t kv = kv_lo; kv <= kv_hi && !(any_in && any_out); ++kv) {
+      (allowed(head, q, kv) ? any_in : any_out) = true;
+    }
+  }
+  if (!any_in) return BlockKind::kEmpty;
+  return any_out ? BlockKind::kPartial : BlockKind::kFull;
+}
+
+// What `a & b` and `a | b` must claim given what the children are on the
+// same rectangle: a tile either child rules out is skipped under & (SPEC
+// §3; §6: the seed dropped every other mask under causal), one either child
+// fills needs no element mask under |. Only these implications are checked:
+// compositions may still say partial for, e.g., two partial children whose
+// allowed sets do not meet (block_map.h: "may say partial when unsure").
+// `seen` counts how often each implication was exercised: [0] & with an
+// empty child, [1] & with two full ones, [2] | with a full child, [3] | with
+// two empty ones.
+void ExpectCompositionRules(BlockKind a, BlockKind b, BlockKind a_and_b, BlockKind a_or_b,
+                            int64_t seen[4]) {
+  if (a == BlockKind::kEmpty || b == BlockKind::kEmpty) {
+    ++seen[0];
+    EXPECT_EQ(a_and_b, BlockKind::kEmpty) << "an empty child must make & empty";
+  }
+  if (a == BlockKind::kFull && b == BlockKind::kFull) {
+    ++seen[1];
+    EXPECT_EQ(a_and_b, BlockKind::kFull) << "two full children must make & full";
+  }
+  if (a == BlockKind::kFull || b == BlockKind::kFull) {
+    ++seen[2];
+    EXPECT_EQ(a_or_b, BlockKind::kFull) << "a full child must make | full";
+  }
+  if (a == BlockKind::kEmpty && b == BlockKind::kEmpty) {
+    ++seen[3];
+    EXPECT_EQ(a_or_b, BlockKind::kEmpty) << "two empty children must make | empty";
+  }
+}
+
+// The cases that matter most must each have come up: the draws of the
+// tests below give over a thousand of each; 200 is far below that and far
+// above zero.
+void ExpectEveryRuleExercised(const int64_t seen[4]) {
+  for (int i = 0; i < 4; ++i) EXPECT_GT(seen[i], 200) << "composition rule " << i;
+}
+
+// ClassifyTile of two structured leaves composed with & and |, in both
+// operand orders, against the children brute-forced on the rectangle (a
+// single leaf is classified exactly, which is checked here too).
+TEST(BlockMapTest, ClassifyTileCompositionsKeepWhatEitherStructuredLeafDecides) {
+  RandomMasks gen(31);
+  int64_t seen[4] = {0, 0, 0, 0};
+  int64_t one_empty_and = 0;  // & with exactly one empty child: the case the seed lost
+  for (int iter = 0; iter < 4000; ++iter) {
+    const RefMask a = gen.Structured(), b = gen.Structured();
+    // Rectangles around the diagonal, where offsets in [-30, 30] and windows
+    // of up to 40 make every leaf kind empty, full or partial.
+    const int64_t q_lo = gen.Uniform(0, 80), q_hi = q_lo + gen.Uniform(0, 25);
+    const int64_t kv_lo = gen.Uniform(0, 80), kv_hi = kv_lo + gen.Uniform(0, 25);
+    SCOPED_TRACE(a.mask.ToString() + " , " + b.mask.ToString() + " q [" + std::to_string(q_lo) +
+                 "," + std::to_string(q_hi) + "] kv [" + std::to_string(kv_lo) + "," +
+                 std::to_string(kv_hi) + "]");
+    const BlockKind ka = BruteKind(a.allowed, 0, q_lo, q_hi, kv_lo, kv_hi);
+    const BlockKind kb = BruteKind(b.allowed, 0, q_lo, q_hi, kv_lo, kv_hi);
+    ASSERT_EQ(ClassifyTile(a.mask, 0, q_lo, q_hi, kv_lo, kv_hi), ka);
+    ASSERT_EQ(ClassifyTile(b.mask, 0, q_lo, q_hi, kv_lo, kv_hi), kb);
+    one_empty_and += (ka == BlockKind::kEmpty) != (kb == BlockKind::kEmpty);
+    const auto classify = [&](const Mask& m) {
+      return ClassifyTile(m, 0, q_lo, q_hi, kv_lo, kv_hi);
+    };
+    ExpectCompositionRules(ka, kb, classify(a.mask & b.mask), classify(a.mask | b.mask), seen);
+    ExpectCompositionRules(kb, ka, classify(b.mask & a.mask), classify(b.mask | a.mask), seen);
+    if (HasFailure()) return;
+  }
+  ExpectEveryRuleExercised(seen);
+  EXPECT_GT(one_empty_and, 200);
+}
+
+// The same implications one level up: whatever ClassifyTile claims for two
+// subtrees (Dense and PerHead leaves included) survives composing them.
+// Brute force cannot be the premise here: a composed child may itself be
+// partial where its elements are all out (the looseness above).
+TEST(BlockMapTest, ClassifyTileCompositionsKeepTheirSubtreesClaims) {
+  RandomMasks gen(37);
+  int64_t seen[4] = {0, 0, 0, 0};
+  for (int iter = 0; iter < 1500; ++iter) {
+    const RefMask a = gen.Tree(2, iter % 4 == 0, true), b = gen.Tree(2, iter % 4 == 1, true);
+    const int64_t head = gen.Uniform(0, kHeads - 1);
+    const int64_t q_lo = gen.Uniform(0, 300), q_hi = q_lo + gen.Uniform(0, 40);
+    const int64_t kv_lo = gen.Uniform(0, 300), kv_hi = kv_lo + gen.Uniform(0, 40);
+    SCOPED_TRACE(a.mask.ToString() + " , " + b.mask.ToString() + " head " + std::to_string(head) +
+                 " q [" + std::to_string(q_lo) + "," + std::to_string(q_hi) + "] kv [" +
+                 std::to_string(kv_lo) + "," + std::to_string(kv_hi) + "]");
+    const auto classify = [&](const Mask& m) {
+      return ClassifyTile(m, head, q_lo, q_hi, kv_lo, kv_hi);
+    };
+    ExpectCompositionRules(classify(a.mask), classify(b.mask), classify(a.mask & b.mask),
+                           classify(a.mask | b.mask), seen);
+    if (HasFailure()) return;
+  }
+  // Fewer draws and rarer decided subtrees than above (about 250 of the
+  // rarest, two full subtrees): 50 of each still shows every rule was reached.
+  for (const int64_t s : seen) EXPECT_GT(s, 50);
+}
+
+// BlockMap::Build classifies with its own postfix evaluator, not
+// ClassifyTile: its tiles of a & b and a | b must obey the same rules, with
+// each child brute-forced on the tile's [min, max] position rectangle (what
+// the builder classifies; for strided or unsorted positions the rectangle
+// holds more pairs than the tile, so that is all it can promise).
+TEST(BlockMapTest, BlockMapCompositionsKeepWhatEitherStructuredLeafDecides) {
+  RandomMasks gen(41);
+  int64_t seen[4] = {0, 0, 0, 0};
+  for (int iter = 0; iter < 300; ++iter) {
+    const RefMask a = gen.Structured(), b = gen.Structured();
+    const int qs = static_cast<int>(gen.Uniform(0, 4)), ks = static_cast<int>(gen.Uniform(0, 4));
+    const std::vector<int64_t> q_pos = gen.Positions(gen.Uniform(1, 110), qs);
+    const std::vector<int64_t> kv_pos = gen.Positions(gen.Uniform(1, 110), ks);
+    const int64_t bq = gen.Uniform(1, 40), bkv = gen.Uniform(1, 40);
+    SCOPED_TRACE("iter " + std::to_string(iter) + " " + a.mask.ToString() + " , " +
+                 b.mask.ToString() + " styles " + std::to_string(qs) + "," + std::to_string(ks) +
+                 " bq=" + std::to_string(bq) + " bkv=" + std::to_string(bkv));
+    const BlockRanges qr = BlockRanges::Of(q_pos, bq), kr = BlockRanges::Of(kv_pos, bkv);
+    const int64_t nqb = qr.num_blocks(), nkvb = kr.num_blocks();
+    for (const bool by_column : {false, true}) {
+      const std::vector<BlockKind> and_kinds =
+          KindsFromRuns(BlockMap::Build(a.mask & b.mask, q_pos, kv_pos, bq, bkv, 1, by_column), 0);
+      const std::vector<BlockKind> or_kinds =
+          KindsFromRuns(BlockMap::Build(a.mask | b.mask, q_pos, kv_pos, bq, bkv, 1, by_column), 0);
+      for (int64_t qb = 0; qb < nqb; ++qb) {
+        for (int64_t kvb = 0; kvb < nkvb; ++kvb) {
+          SCOPED_TRACE("tile " + std::to_string(qb) + "," + std::to_string(kvb) +
+                       (by_column ? " column map" : " row map"));
+          const auto kind = [&](const RefMask& m) {
+            return BruteKind(m.allowed, 0, qr.lo[qb], qr.hi[qb], kr.lo[kvb], kr.hi[kvb]);
+          };
+          ExpectCompositionRules(kind(a), kind(b), and_kinds[qb * nkvb + kvb],
+                                 or_kinds[qb * nkvb + kvb], seen);
+          if (HasFailure()) return;
+        }
+      }
+    }
+  }
+  ExpectEveryRuleExercised(seen);
+}
+
 // Causal, S = 4096, bq = bkv = 128, contiguous: nb = 32 blocks per side.
 // Tile (i, j) spans q [128i, 128i+127], kv [128j, 128j+127]: full iff every
 // kv <= every q iff 128j + 127 <= 128i iff j < i; empty iff 128j > 128i + 127

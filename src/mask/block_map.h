@@ -45,7 +45,11 @@ struct BlockRanges {
 // empty or full wrongly); may say partial when unsure. O(1) per structured
 // leaf (and exact both ways for a single one); Dense leaves are scanned over
 // the whole integer rectangle, which for strided positions is much more than
-// the tile — BlockMap::Build scans the actual positions instead.
+// the tile — BlockMap::Build scans the actual positions instead. Compositions
+// keep what either side decides (SPEC §6: the seed dropped every mask but
+// causal): a & b is empty if either side is, full if both are; a | b is full
+// if either side is, empty if both are (block_map_test checks both
+// classifiers against brute force).
 BlockKind ClassifyTile(const Mask& mask, int64_t head, int64_t q_lo, int64_t q_hi, int64_t kv_lo,
                        int64_t kv_hi);
 // Segment refinement: tiles whose q and kv segment-id ranges do not meet are
