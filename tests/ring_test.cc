@@ -441,6 +441,52 @@ TEST(RingTest, Bf16StridedInputsAndOutputs) {
   }
 }
 
+// bf16 inputs, f32 outputs, on a path that computes in f32 on the stored
+// inputs (no bf16 rounding of P or dS: avx512_bf16's products of bf16 pairs
+// are exact in f32, the portable path widens): the ring must then match the
+// f64 reference on the stored inputs to the f32 tolerance. Eight ranks, so
+// each slice's f32 dk/dv accumulators make seven hops; kept in bf16 on the
+// way (SPEC §4: they travel as f32) they would lose ~2^-9 per hop, far above
+// kTol. The test above checks bf16 outputs and strides against the single
+// device only.
+TEST(RingTest, Bf16InputsKeepF32AccumulatorsAcrossEightRanks) {
+  const std::vector<MaskCase> masks = MaskCases();
+  KernelPath path = KernelPath::kPortable;
+  for (KernelPath p : SupportedKernelPaths()) {
+    if (p == KernelPath::kAvx512Bf16) path = p;
+  }
+  for (Layout layout : {Layout::kZigzag, Layout::kStriped}) {
+    Case c;
+    c.n = 8;
+    c.layout = layout;
+    c.sq = c.skv = 96;
+    c.h = 4;
+    c.hkv = 2;
+    c.sinks = true;
+    SCOPED_TRACE(std::string(LayoutName(layout)) + " path " + KernelPathName(path));
+    Rng rng(31);
+    ProblemSpec spec(c.b, c.sq, c.skv, c.h, c.hkv, c.d, c.dv);
+    spec.sinks = true;
+    spec.qk_range = 1.5;
+    const OwnedInputs in = testing::ConvertInputs(testing::RandomInputs(rng, spec), DType::kBF16);
+    const Tensor dout = testing::RandomTensor(rng, DType::kBF16, {c.b, c.sq, c.h, c.dv});
+    AttentionOptions opt;
+    opt.mask = Mask::Causal() & Mask::Local(40, std::nullopt);
+    opt.block_sizes = {16, 16};
+    opt.num_threads = 1;
+    opt.kernel_path = path;
+    const RingResult ring = RunRing(c, in, opt, &dout);
+    const testing::RefResult ref = testing::RunReference(in, opt, &dout);
+    ExpectClose(ring.api.out, ref.fwd.out, 1e-30, "out vs f64 reference");
+    ExpectClose(ring.api.lse, ref.fwd.lse, 1.0, "lse vs f64 reference");
+    ExpectClose(ring.api.dq, ref.bwd.dq, 1e-30, "dq vs f64 reference");
+    ExpectClose(ring.api.dk, ref.bwd.dk, 1e-30, "dk vs f64 reference");
+    ExpectClose(ring.api.dv, ref.bwd.dv, 1e-30, "dv vs f64 reference");
+    ExpectClose(ring.api.dsinks, ref.bwd.dsinks, testing::MaxAbs(ref.bwd.dsinks_terms),
+                "dsinks vs f64 reference");
+  }
+}
+
 // ---- Work balance ------------------------------------------------------------
 //
 // Causal mask, S = 512, N = 4, 16x16 tiles. Counting tiles of one (b, head):
