@@ -10,6 +10,7 @@ packages=(
   libopenmpi-dev openmpi-bin                    # the MPI backend
   libcli11-dev nlohmann-json3-dev               # the command line and its JSON output
   gnuplot-nox python3 time                      # docs/PERFORMANCE.md: plot, bench/run_targets.py, /usr/bin/time -v
+  python3-numpy                                 # docs/CLI.md: the attend example writes its .npy inputs with NumPy
 )
 [ $# -eq 0 ] || packages=("$@")
 missing=()

@@ -22,7 +22,8 @@
 namespace ringsplash::cli {
 namespace {
 
-constexpr char kProgressPrefix[] = "ringsplash attend";
+// The prefix of its messages, progress line and signal line.
+constexpr char kCommand[] = "ringsplash attend";
 
 // Results of one run, global (threads) or this rank's shard (MPI); all f32,
 // indexed by OutputKind.
@@ -119,9 +120,11 @@ void WriteRows(npy::NpyOutputFile& file, const OutputSpec& spec, const float* lo
 }
 
 void RunAttendThreads(const AttendArgs& args, const AttendPlan& plan) {
-  Progress progress(kProgressPrefix, true);
+  InstallSignalHandlers(kCommand);
+  Progress progress(kCommand, true);
   progress.Phase("reading inputs");
-  const int ranks = args.ranks == 0 ? 1 : args.ranks;
+  const int ranks = args.ranks.value_or(1);
+  CheckEnvironment(ranks, plan.backward);
   AttendFiles files = OpenInputs(args, plan);
   CheckDivisible(files, plan.layout, ranks);
   const Mask mask = BuildMask(files, plan);
@@ -173,10 +176,12 @@ void RunAttendMpiRank(Communicator& comm, const AttendArgs& args, const AttendPl
                       bool& ring_started) {
   const int n = comm.size();
   const int rank = comm.rank();
-  if (args.ranks != 0 && args.ranks != n) {
-    Usage("--ranks ", args.ranks, " does not match the ", n, " MPI processes (mpirun -np ", n, ")");
+  if (args.ranks && *args.ranks != n) {
+    Usage("--ranks ", *args.ranks, " does not match the ", n, " MPI processes (mpirun -np ", n,
+          ")");
   }
-  Progress progress(kProgressPrefix, rank == 0);
+  CheckEnvironment(n, plan.backward);
+  Progress progress(kCommand, rank == 0);
   progress.Phase("reading inputs");
   AttendFiles files = OpenInputs(args, plan);
   CheckDivisible(files, plan.layout, n);
@@ -264,18 +269,18 @@ CLI::App* AddAttendCommand(CLI::App& app, AttendArgs& a) {
   CLI::App* cmd = app.add_subcommand(
       "attend",
       "Run attention on arrays saved by NumPy (.npy): forward, and backward with --dout.");
-  cmd->add_option("--q", a.q, "queries [B, Sq, H, D], float32 or float16")
+  cmd->add_option("--q", a.q, "queries [B, Sq, H, D], D <= 256, float32 or float16")
       ->required()
       ->type_name("FILE");
   cmd->add_option("--k", a.k, "keys [B, Skv, Hkv, D]; H % Hkv == 0 (GQA/MQA)")
       ->required()
       ->type_name("FILE");
-  cmd->add_option("--v", a.v, "values [B, Skv, Hkv, Dv]")->required()->type_name("FILE");
+  cmd->add_option("--v", a.v, "values [B, Skv, Hkv, Dv], Dv <= 256")->required()->type_name("FILE");
   cmd->add_option("--out", a.out, "output [B, Sq, H, Dv], float32")->required()->type_name("FILE");
   cmd->add_option("--lse", a.lse, "log-sum-exp [B, H, Sq], float32")->type_name("FILE");
   cmd->add_option("--mask", a.mask,
                   "mask text: full, causal[:OFF], local:L,R[,OFF], chunked:C, joined with & "
-                  "and | (default full)")
+                  "and |, grouped with ( ) (default full)")
       ->type_name("TEXT");
   cmd->add_option("--dense-mask", a.dense_mask,
                   "bool [Sq, Skv] or [H, Sq, Skv] (uint8/int accepted), ANDed with --mask")
@@ -289,8 +294,10 @@ CLI::App* AddAttendCommand(CLI::App& app, AttendArgs& a) {
       ->type_name("S");
   cmd->add_option("--sinks", a.sinks, "attention sink logits [H], float32 or float16")
       ->type_name("FILE");
-  cmd->add_option("--q-segments", a.q_segments, "segment ids [B, Sq], int32")->type_name("FILE");
-  cmd->add_option("--kv-segments", a.kv_segments, "segment ids [B, Skv], int32")->type_name("FILE");
+  cmd->add_option("--q-segments", a.q_segments, "segment ids [B, Sq], int32 or int64")
+      ->type_name("FILE");
+  cmd->add_option("--kv-segments", a.kv_segments, "segment ids [B, Skv], int32 or int64")
+      ->type_name("FILE");
   cmd->add_option("--dout", a.dout, "gradient of out [B, Sq, H, Dv]: runs the backward pass")
       ->type_name("FILE");
   cmd->add_option("--dq", a.dq, "writes dq [B, Sq, H, D] (needs --dout)")->type_name("FILE");
@@ -298,9 +305,10 @@ CLI::App* AddAttendCommand(CLI::App& app, AttendArgs& a) {
   cmd->add_option("--dv", a.dv, "writes dv [B, Skv, Hkv, Dv] (needs --dout)")->type_name("FILE");
   cmd->add_option("--dsinks", a.dsinks, "writes dsinks [H] (needs --dout and --sinks)")
       ->type_name("FILE");
-  cmd->add_option("--ranks", a.ranks,
-                  "ring size (threads backend; default 1 = single device; under mpirun: the "
-                  "number of processes)")
+  cmd->add_option_function<int>(
+         "--ranks", [&a](const int& n) { a.ranks = n; },
+         "ring size, 1 to 4096 (threads backend; default 1 = single device; under mpirun: the "
+         "number of processes)")
       ->type_name("N");
   cmd->add_option("--layout", a.layout, "sequence layout over ranks: contiguous|zigzag|striped")
       ->type_name("NAME")
@@ -312,7 +320,7 @@ CLI::App* AddAttendCommand(CLI::App& app, AttendArgs& a) {
       ->type_name("NAME")
       ->capture_default_str();
   cmd->add_option("--threads-per-rank", a.threads_per_rank,
-                  "kernel threads per rank (default: cores / ranks)")
+                  "kernel threads per rank (default, or 0: cores / ranks)")
       ->type_name("T");
   cmd->add_option("--comm-timeout", a.comm_timeout,
                   "seconds a rank waits for a peer before failing")

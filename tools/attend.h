@@ -20,7 +20,7 @@ struct AttendArgs {
   std::optional<double> softcap, scale;
   std::string sinks, q_segments, kv_segments;
   std::string dout, dq, dk, dv, dsinks;
-  int ranks = 0;  // 0: 1 for threads, the MPI world size for mpi
+  std::optional<int> ranks;  // absent: 1 for threads, the MPI world size for mpi
   std::string layout = "zigzag";
   std::string backend = "threads";
   std::string dtype = "f32";

@@ -3,7 +3,10 @@
 
 #include <cmath>
 #include <cstring>
-#include <map>
+#include <filesystem>
+#include <iterator>
+#include <system_error>
+#include <utility>
 
 #include "ringsplash/error.h"
 #include "tools/cli_common.h"
@@ -36,6 +39,22 @@ void ExpectInteger(const npy::NpyArray& a, const char* what) {
 
 npy::NpyArray OpenIf(const std::string& path) {
   return path.empty() ? npy::NpyArray() : npy::NpyArray::Open(path);
+}
+
+// The directory entry an output path names, independent of spelling
+// ("o.npy", "./o.npy", "/abs/dir/o.npy", a directory reached through a
+// symbolic link): the resolved directory plus the file name. Outputs are
+// renamed into place (pending_outputs.h), so it is the entry that counts:
+// a symbolic or hard link to another output is a different entry, replaced
+// rather than written through. A directory that does not exist cannot be
+// resolved; the lexical form stands in (creating the output fails later).
+std::filesystem::path OutputEntry(const std::string& path) {
+  std::error_code ec;
+  const std::filesystem::path abs = std::filesystem::absolute(path, ec);
+  if (ec) return std::filesystem::path(path).lexically_normal();
+  const std::filesystem::path dir = std::filesystem::canonical(abs.parent_path(), ec);
+  if (ec) return abs.lexically_normal();
+  return dir / abs.filename();
 }
 
 }  // namespace
@@ -72,8 +91,8 @@ AttendPlan CheckArgs(const AttendArgs& args) {
   if (args.scale && !(std::isfinite(*args.scale) && *args.scale > 0)) {
     Usage("--scale: expected a finite number > 0, got ", *args.scale);
   }
-  if (args.ranks < 0 || args.ranks > 4096) {
-    Usage("--ranks: expected 1 to 4096, got ", args.ranks);
+  if (args.ranks && (*args.ranks < 1 || *args.ranks > 4096)) {
+    Usage("--ranks: expected 1 to 4096, got ", *args.ranks);
   }
   if (args.threads_per_rank < 0) {
     Usage("--threads-per-rank: expected >= 1 (or 0 for cores / ranks), got ",
@@ -100,15 +119,24 @@ AttendPlan CheckArgs(const AttendArgs& args) {
     Usage("--dout needs at least one of --dq, --dk, --dv, --dsinks to write");
   }
   if (!args.dsinks.empty() && args.sinks.empty()) Usage("--dsinks needs --sinks");
-  // Two outputs with one name would silently lose one of them.
-  std::map<std::string, std::string> seen;
+  // Two outputs naming one file would silently lose one of them (or, spelt
+  // differently, collide on their temporaries): compare the directory
+  // entries named, not the strings.
   const std::pair<const char*, const std::string*> outs[] = {
       {"--out", &args.out}, {"--lse", &args.lse}, {"--dq", &args.dq},
       {"--dk", &args.dk},   {"--dv", &args.dv},   {"--dsinks", &args.dsinks}};
-  for (const auto& [flag, path] : outs) {
+  for (size_t i = 0; i < std::size(outs); ++i) {
+    const auto& [flag, path] = outs[i];
     if (path->empty()) continue;
-    auto [it, fresh] = seen.emplace(*path, flag);
-    if (!fresh) Usage(it->second, " and ", flag, " name the same file '", *path, "'");
+    for (size_t j = 0; j < i; ++j) {
+      const auto& [first_flag, first_path] = outs[j];
+      if (first_path->empty() || OutputEntry(*first_path) != OutputEntry(*path)) continue;
+      if (*first_path == *path) {
+        Usage(first_flag, " and ", flag, " name the same file '", *path, "'");
+      }
+      Usage(first_flag, " and ", flag, " name the same file ('", *first_path, "' and '", *path,
+            "')");
+    }
   }
   return plan;
 }
@@ -137,6 +165,11 @@ AttendFiles OpenInputs(const AttendArgs& args, const AttendPlan& plan) {
   d.skv = f.k.shape()[1];
   d.hkv = f.k.shape()[2];
   d.dv = f.v.shape()[3];
+  // The kernels' limit, checked here so that the message names the file.
+  Check(d.d <= kMaxHeadDim, args.q, ": head dim D = ", d.d, " is above ", kMaxHeadDim,
+        ", the largest the kernels support, in ", npy::ShapeString(f.q.shape()));
+  Check(d.dv <= kMaxHeadDim, args.v, ": value head dim Dv = ", d.dv, " is above ", kMaxHeadDim,
+        ", the largest the kernels support, in ", npy::ShapeString(f.v.shape()));
   ExpectDim(f.k, 0, d.b, "B", args.q);
   ExpectDim(f.k, 3, d.d, "D", args.q);
   Check(d.h % d.hkv == 0, args.k, ": key/value heads Hkv = ", d.hkv,

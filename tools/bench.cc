@@ -9,6 +9,7 @@
 #include "ringsplash/error.h"
 #include "ringsplash/mask.h"
 #include "tools/cli_common.h"
+#include "tools/pending_outputs.h"
 #include "tools/progress.h"
 
 namespace ringsplash::cli {
@@ -16,6 +17,12 @@ namespace {
 
 void CheckPositive(int64_t value, const char* flag) {
   if (value <= 0) Usage(flag, ": expected a positive integer, got ", value);
+}
+
+void CheckHeadDim(int64_t value, const char* flag) {
+  if (value <= 0 || value > kMaxHeadDim) {
+    Usage(flag, ": expected 1 to ", kMaxHeadDim, " (the kernels' limit), got ", value);
+  }
 }
 
 void CheckBlock(int64_t value, const char* flag) {
@@ -36,18 +43,18 @@ BenchConfig ResolveConfig(const BenchArgs& a, int64_t seq, int world) {
   BenchConfig c;
   c.batch = a.batch;
   c.seq = seq;
-  c.q_seq = a.q_seq == 0 ? seq : a.q_seq;
+  c.q_seq = a.q_seq.value_or(seq);
   c.heads = a.heads;
-  c.kv_heads = a.kv_heads == 0 ? a.heads : a.kv_heads;
+  c.kv_heads = a.kv_heads.value_or(a.heads);
   c.head_dim = a.head_dim;
-  c.v_head_dim = a.v_head_dim == 0 ? a.head_dim : a.v_head_dim;
+  c.v_head_dim = a.v_head_dim.value_or(a.head_dim);
   CheckPositive(c.batch, "--batch");
   CheckPositive(c.seq, "--seq");
   CheckPositive(c.q_seq, "--q-seq");
   CheckPositive(c.heads, "--heads");
   CheckPositive(c.kv_heads, "--kv-heads");
-  CheckPositive(c.head_dim, "--head-dim");
-  CheckPositive(c.v_head_dim, "--v-head-dim");
+  CheckHeadDim(c.head_dim, "--head-dim");
+  CheckHeadDim(c.v_head_dim, "--v-head-dim");
   if (c.heads % c.kv_heads != 0) {
     Usage("--kv-heads: ", c.kv_heads, " must divide --heads ", c.heads);
   }
@@ -82,12 +89,14 @@ BenchConfig ResolveConfig(const BenchArgs& a, int64_t seq, int world) {
   } else {
     Usage("--pass: expected fwd, bwd or fwdbwd, got '", a.pass, "'");
   }
-  if (a.ranks < 0 || a.ranks > 4096) Usage("--ranks: expected 1 to 4096, got ", a.ranks);
-  if (c.mpi && a.ranks != 0 && a.ranks != world) {
-    Usage("--ranks ", a.ranks, " does not match the ", world, " MPI processes (mpirun -np ", world,
+  if (a.ranks && (*a.ranks < 1 || *a.ranks > 4096)) {
+    Usage("--ranks: expected 1 to 4096, got ", *a.ranks);
+  }
+  if (c.mpi && a.ranks && *a.ranks != world) {
+    Usage("--ranks ", *a.ranks, " does not match the ", world, " MPI processes (mpirun -np ", world,
           ")");
   }
-  c.ranks = c.mpi ? world : (a.ranks == 0 ? 1 : a.ranks);
+  c.ranks = c.mpi ? world : a.ranks.value_or(1);
   if (c.ranks > 1) {
     const int64_t div = c.layout == Layout::kZigzag ? 2 * int64_t{c.ranks} : c.ranks;
     for (const auto& [len, flag] : {std::pair{c.seq, "--seq"}, std::pair{c.q_seq, "--q-seq"}}) {
@@ -98,7 +107,9 @@ BenchConfig ResolveConfig(const BenchArgs& a, int64_t seq, int world) {
       }
     }
   }
-  if (a.threads_per_rank < 0) Usage("--threads-per-rank: expected >= 1, got ", a.threads_per_rank);
+  if (a.threads_per_rank < 0) {
+    Usage("--threads-per-rank: expected >= 1 (or 0 for cores / ranks), got ", a.threads_per_rank);
+  }
   c.threads_per_rank = a.threads_per_rank != 0
                            ? a.threads_per_rank
                            : DefaultThreadsPerRank(c.mpi ? LocalRanks(c.ranks) : c.ranks);
@@ -118,6 +129,7 @@ BenchConfig ResolveConfig(const BenchArgs& a, int64_t seq, int world) {
     Usage("--comm-timeout: expected a number of seconds > 0, got ", a.comm_timeout);
   }
   c.comm_timeout = a.comm_timeout;
+  CheckEnvironment(c.ranks, c.pass != Pass::kFwd);
   return c;
 }
 
@@ -192,19 +204,30 @@ CLI::App* AddBenchCommand(CLI::App& app, BenchArgs& a) {
   cmd->add_option("--seq", a.seq, "key/value length Skv; a comma list runs each (1024,2048)")
       ->delimiter(',')
       ->capture_default_str();
-  cmd->add_option("--q-seq", a.q_seq, "query length Sq (default: = --seq)");
+  cmd->add_option_function<int64_t>(
+         "--q-seq", [&a](const int64_t& n) { a.q_seq = n; }, "query length Sq (default: = --seq)")
+      ->type_name("INT");
   cmd->add_option("--heads", a.heads, "query heads H")->capture_default_str();
-  cmd->add_option("--kv-heads", a.kv_heads, "key/value heads Hkv (default: = --heads)");
-  cmd->add_option("--head-dim", a.head_dim, "head dim D")->capture_default_str();
-  cmd->add_option("--v-head-dim", a.v_head_dim, "value head dim Dv (default: = --head-dim)");
+  cmd->add_option_function<int64_t>(
+         "--kv-heads", [&a](const int64_t& n) { a.kv_heads = n; },
+         "key/value heads Hkv, dividing H (default: = --heads)")
+      ->type_name("INT");
+  cmd->add_option("--head-dim", a.head_dim, "head dim D, 1 to 256")->capture_default_str();
+  cmd->add_option_function<int64_t>(
+         "--v-head-dim", [&a](const int64_t& n) { a.v_head_dim = n; },
+         "value head dim Dv, 1 to 256 (default: = --head-dim)")
+      ->type_name("INT");
   cmd->add_option("--mask", a.mask, "mask text, as for attend")->capture_default_str();
   cmd->add_option("--layout", a.layout, "contiguous|zigzag|striped")->capture_default_str();
-  cmd->add_option("--ranks", a.ranks, "ring size (default 1; under mpirun: the process count)");
+  cmd->add_option_function<int>(
+         "--ranks", [&a](const int& n) { a.ranks = n; },
+         "ring size, 1 to 4096 (default 1; under mpirun: the process count)")
+      ->type_name("INT");
   cmd->add_option("--backend", a.backend, "threads|mpi")->capture_default_str();
   cmd->add_option("--dtype", a.dtype, "f32|bf16")->capture_default_str();
   cmd->add_option("--pass", a.pass, "fwd|bwd|fwdbwd")->capture_default_str();
   cmd->add_option("--threads-per-rank", a.threads_per_rank,
-                  "kernel threads per rank (default: cores / ranks)");
+                  "kernel threads per rank (default, or 0: cores / ranks)");
   cmd->add_option("--warmup", a.warmup, "untimed iterations")->capture_default_str();
   cmd->add_option("--iters", a.iters, "timed iterations (median reported)")->capture_default_str();
   cmd->add_flag("--check", a.check, "compare sampled rows with the single-device kernel");
@@ -246,6 +269,7 @@ int RunBench(const BenchArgs& args) {
   // Resolve every configuration first: a bad value fails before any run.
   std::vector<BenchConfig> configs;
   for (int64_t seq : args.seq) configs.push_back(ResolveConfig(args, seq, 0));
+  InstallSignalHandlers("ringsplash bench");
   Progress progress("ringsplash bench", true);
   for (size_t i = 0; i < configs.size(); ++i) {
     progress.Phase(PhaseName(args.seq, i));

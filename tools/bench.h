@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -15,18 +16,19 @@ class App;
 
 namespace ringsplash::cli {
 
-// The command line; 0 means "derive the default" where noted.
+// The command line; an absent optional means "derive the default" (a value
+// given, 0 included, is checked as given).
 struct BenchArgs {
   int64_t batch = 1;
   std::vector<int64_t> seq = {4096};  // one JSON line per value
-  int64_t q_seq = 0;                  // 0: = seq
+  std::optional<int64_t> q_seq;       // absent: = seq
   int64_t heads = 8;
-  int64_t kv_heads = 0;  // 0: = heads
+  std::optional<int64_t> kv_heads;  // absent: = heads
   int64_t head_dim = 128;
-  int64_t v_head_dim = 0;  // 0: = head_dim
+  std::optional<int64_t> v_head_dim;  // absent: = head_dim
   std::string mask = "full";
   std::string layout = "zigzag";
-  int ranks = 0;  // 0: 1 (threads) or the MPI world size
+  std::optional<int> ranks;  // absent: 1 (threads) or the MPI world size
   std::string backend = "threads";
   std::string dtype = "f32";
   std::string pass = "fwd";

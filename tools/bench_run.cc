@@ -134,7 +134,7 @@ BenchResult RunBenchOnRank(Communicator& comm, const BenchConfig& c) {
 
   BenchResult r;
   r.config = c;
-  r.kernel_path = KernelPathName(ResolveKernelPath(KernelPath::kAuto));
+  r.kernel_path = KernelPathFor(c.dtype);
   r.seconds = Median(times);
   r.forward_seconds = Median(fwd_times);
   r.backward_seconds = Median(bwd_times);

@@ -58,7 +58,7 @@ struct CheckResult {
 
 struct BenchResult {
   BenchConfig config;
-  std::string kernel_path;  // what kAuto resolved to
+  std::string kernel_path;  // the path of the dtype's products (KernelPathFor)
   double seconds = 0;       // median per iteration (forward + backward as configured)
   double forward_seconds = 0, backward_seconds = 0;  // medians, 0 if not run
   double allowed_pairs = 0;

@@ -3,7 +3,12 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <optional>
 #include <thread>
+
+#include "ringsplash/attention.h"
+#include "ringsplash/error.h"
+#include "ringsplash/ring.h"
 
 namespace ringsplash::cli {
 
@@ -54,6 +59,49 @@ int LocalRanks(int fallback) {
 int DefaultThreadsPerRank(int ranks_on_this_machine) {
   const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   return std::max(1, cores / std::max(1, ranks_on_this_machine));
+}
+
+void CheckEnvironment(int ranks, bool backward) {
+  try {
+    ResolveKernelPath(KernelPath::kAuto);  // reads RINGSPLASH_KERNEL
+  } catch (const Error& e) {
+    throw UsageError(e.what());
+  }
+  std::optional<FaultSpec> fault;
+  try {
+    fault = FaultSpec::FromEnv();
+  } catch (const Error& e) {
+    throw UsageError(e.what());
+  }
+  if (!fault) return;
+  const std::string spec = std::getenv("RINGSPLASH_FAULT");
+  // The ring skips a fault it never reaches; a user testing failure
+  // handling would then believe a fault was injected.
+  if (ranks < 2) {
+    Usage("RINGSPLASH_FAULT=", spec,
+          ": no ring runs with 1 rank (the single-device kernel), so no fault can be injected; "
+          "use --ranks 2 or more, or unset RINGSPLASH_FAULT");
+  }
+  if (fault->rank >= ranks) {
+    Usage("RINGSPLASH_FAULT=", spec, ": rank ", fault->rank, " is not in this ring of ", ranks,
+          " ranks (expected RANK in 0..", ranks - 1, ")");
+  }
+  if (fault->step >= ranks) {
+    Usage("RINGSPLASH_FAULT=", spec, ": step ", fault->step,
+          " is past the last ring step (expected STEP in 0..", ranks - 1, " with ", ranks,
+          " ranks)");
+  }
+  if (fault->backward && !backward) {
+    Usage("RINGSPLASH_FAULT=", spec,
+          ": the backward pass does not run (attend: give --dout; bench: --pass bwd or fwdbwd)");
+  }
+}
+
+std::string KernelPathFor(DType dtype) {
+  const KernelPath path = ResolveKernelPath(KernelPath::kAuto);
+  const bool bf16_only = path == KernelPath::kAvx512Bf16 || path == KernelPath::kAmx;
+  if (dtype == DType::kF32 && bf16_only) return KernelPathName(KernelPath::kAvx512);
+  return KernelPathName(path);
 }
 
 }  // namespace ringsplash::cli

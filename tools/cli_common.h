@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "ringsplash/comm.h"
+#include "ringsplash/tensor.h"
 
 namespace ringsplash::cli {
 
@@ -34,6 +35,25 @@ template <typename... Args>
   (os << ... << std::forward<Args>(args));
   throw UsageError(os.str());
 }
+
+// The largest head dim D (and Dv) the kernels take (the library checks it
+// too, src/kernels/validate.cc); the CLI checks it first so that the error
+// names the flag or the file rather than the library's argument.
+constexpr int64_t kMaxHeadDim = 256;
+
+// Checks the environment variables the library reads, before any rank
+// starts, so that a bad value is one usage error naming the variable rather
+// than "rank R failed: ..." from whichever rank read it first:
+// RINGSPLASH_KERNEL (a path name this CPU supports) and RINGSPLASH_FAULT
+// (well formed, and aimed at a rank and a ring step of this run: `ranks`
+// ranks, steps 0..ranks-1, the backward pass only if `backward` runs; with
+// one rank no ring runs, so no fault can be injected).
+void CheckEnvironment(int ranks, bool backward);
+
+// The micro-kernel path that does `dtype`'s products: what kAuto (or
+// RINGSPLASH_KERNEL) resolves to, except that f32 products have no bf16 or
+// AMX form, so on the avx512_bf16 and amx paths they run on AVX-512 FMA.
+std::string KernelPathFor(DType dtype);
 
 // Exit statuses.
 constexpr int kExitOk = 0;

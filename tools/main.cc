@@ -62,6 +62,15 @@ int Run(int argc, char** argv) {
   CLI::App* bench = ringsplash::cli::AddBenchCommand(app, bench_args);
   CLI::App* demo = ringsplash::cli::AddDemoCommand(app, demo_args);
 
+  // CLI11 would say only "The following argument was not expected".
+  if (argc > 1 && argv[1][0] != '-') {
+    const std::string first = argv[1];
+    if (first != "attend" && first != "bench" && first != "demo") {
+      PrintError("ringsplash", "unknown subcommand '" + first +
+                                   "' (expected demo, attend or bench; see ringsplash --help)");
+      return kExitUsage;
+    }
+  }
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {

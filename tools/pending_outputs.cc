@@ -10,6 +10,7 @@
 #include <csignal>
 #include <cstdio>
 #include <cstring>
+#include <iterator>
 
 #include "ringsplash/error.h"
 
@@ -25,22 +26,45 @@ char g_temp_paths[kMaxTemps][kMaxPath];
 std::atomic<int> g_temp_count{0};
 std::atomic<bool> g_handlers_installed{false};
 
-void RemoveTempsOnSignal(int sig) {
+// The stderr line per signal ("ringsplash attend: interrupted by SIGINT"),
+// composed when the handlers are installed: the handler only write()s it.
+constexpr int kSignals[] = {SIGINT, SIGTERM, SIGHUP};
+constexpr const char* kSignalNames[] = {"SIGINT", "SIGTERM", "SIGHUP"};
+constexpr size_t kMaxMessage = 256;
+char g_messages[std::size(kSignals)][kMaxMessage];
+size_t g_message_sizes[std::size(kSignals)];
+
+void OnSignal(int sig) {
   const int n = g_temp_count.load();
   for (int i = 0; i < n && i < kMaxTemps; ++i) {
     if (g_temp_paths[i][0] != '\0') ::unlink(g_temp_paths[i]);
   }
+  for (size_t i = 0; i < std::size(kSignals); ++i) {
+    if (kSignals[i] != sig) continue;
+    // write() is async-signal-safe; stdio is not. Nothing to do if it fails.
+    const ssize_t written = ::write(STDERR_FILENO, g_messages[i], g_message_sizes[i]);
+    (void)written;
+  }
+  // Die of the signal itself: the exit status is 128 + sig, as shells expect.
   std::signal(sig, SIG_DFL);
   std::raise(sig);
 }
 
-void InstallHandlers() {
+// `command` null: silent (the messages stay empty).
+void InstallHandlers(const char* command) {
   if (g_handlers_installed.exchange(true)) return;
-  for (int sig : {SIGINT, SIGTERM, SIGHUP}) std::signal(sig, RemoveTempsOnSignal);
+  // On a terminal a progress line may be showing (progress.h): clear it first.
+  const char* clear = ::isatty(STDERR_FILENO) == 1 ? "\r\033[K" : "";
+  for (size_t i = 0; i < std::size(kSignals) && command != nullptr; ++i) {
+    std::snprintf(g_messages[i], kMaxMessage, "%s%s: interrupted by %s\n", clear, command,
+                  kSignalNames[i]);
+    g_message_sizes[i] = std::strlen(g_messages[i]);
+  }
+  for (int sig : kSignals) std::signal(sig, OnSignal);
 }
 
 void Track(const std::string& path) {
-  InstallHandlers();
+  InstallHandlers(nullptr);
   const int i = g_temp_count.fetch_add(1);
   Check(i < kMaxTemps && path.size() < kMaxPath, "too many or too long output paths");
   std::memcpy(g_temp_paths[i], path.c_str(), path.size() + 1);
@@ -54,6 +78,8 @@ void Untrack(const std::string& path) {
 }
 
 }  // namespace
+
+void InstallSignalHandlers(const char* command) { InstallHandlers(command); }
 
 PendingOutputs::PendingOutputs(uint64_t token, bool owner) : token_(token), owner_(owner) {}
 

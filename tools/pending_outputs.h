@@ -17,6 +17,15 @@
 
 namespace ringsplash::cli {
 
+// Installs the SIGINT/SIGTERM/SIGHUP handlers now. On such a signal the
+// process removes its temporaries, prints "<command>: interrupted by SIGINT"
+// (or SIGTERM, SIGHUP) on stderr and dies of the signal: exit status
+// 128 + signal (130 for Ctrl-C). A PendingOutputs owner installs them with
+// its first temporary if nothing did before, silently: under mpirun, which
+// stops every rank with SIGTERM once one rank fails, a rank's "interrupted"
+// would hide the real error. Idempotent: the first call's command stays.
+void InstallSignalHandlers(const char* command);
+
 class PendingOutputs {
  public:
   // `owner`: this process removes and renames the temporaries (under MPI

@@ -204,7 +204,8 @@ KernelPath ResolveKernelPath(KernelPath requested) {
       try {
         forced = ParseKernelPath(env);
       } catch (const Error&) {
-        Fail("RINGSPLASH_KERNEL: expected ", PathNames(), ", got '", env, "'");
+        // "auto" is accepted too (the same as unset), so the list names it.
+        Fail("RINGSPLASH_KERNEL: expected auto|", PathNames(), ", got '", env, "'");
       }
       if (forced != KernelPath::kAuto) {
         Check(kernels::Supported(forced), "RINGSPLASH_KERNEL: kernel path '", env,

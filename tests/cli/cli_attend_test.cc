@@ -251,6 +251,22 @@ std::vector<AttendCase> OptionCases() {
     cases.push_back(c);
   }
   {
+    // D and Dv at the kernels' limit (256, docs/CLI.md): accepted; the CLI's
+    // own check of the limit must not be off by one. (256-term dot products
+    // round to ~256 * 2^-24 ~ 2e-5 relative: within the f32 tolerance.)
+    AttendCase c = Case("largest_head_dims");
+    c.spec.d = 256;
+    c.spec.dv = 256;
+    c.mask = "causal";
+    cases.push_back(c);
+  }
+  {
+    // Parentheses group mask terms (docs/CLI.md).
+    AttendCase c = Case("mask_parentheses");
+    c.mask = "(causal | local:4,4) & chunked:16";
+    cases.push_back(c);
+  }
+  {
     AttendCase c = Case("batch2_q_shorter_than_kv");
     c.spec.b = 2;
     c.spec.sq = 24;

@@ -1,16 +1,30 @@
 // Every kind of bad input to the `ringsplash` command: exit status 1
-// (runtime: files, shapes) or 2 (usage: flags), exactly one line on stderr
-// that names the problem, nothing on stdout, and no output file (or
-// temporary) left in the directory.
+// (runtime: files, shapes) or 2 (usage: flags, environment variables),
+// exactly one line on stderr that names the problem, nothing on stdout, and
+// no output file (or temporary) left in the directory. Also an interrupted
+// run (the same promises, exit status 128 + signal) and the kernel path the
+// command reports.
+#include <fcntl.h>
 #include <gtest/gtest.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
+#include <chrono>
+#include <filesystem>
 #include <fstream>
 #include <functional>
+#include <nlohmann/json.hpp>
 #include <string>
+#include <thread>
 #include <vector>
 
+#include "ringsplash/attention.h"
 #include "tests/cli/cli_test_util.h"
 #include "tools/npy.h"
+
+extern char** environ;  // for posix_spawn: the child gets the test's environment
 
 namespace ringsplash::testing {
 namespace {
@@ -47,6 +61,7 @@ class Files {
   void Raw(const std::string& name, const std::string& bytes) const {
     std::ofstream(dir_ / name, std::ios::binary) << bytes;
   }
+  void Dir(const std::string& name) const { std::filesystem::create_directory(dir_ / name); }
 
  private:
   static int64_t Numel(const std::vector<int64_t>& s) {
@@ -63,7 +78,8 @@ struct BadCase {
   // Arguments; "@x" is replaced by the path of file x in the scratch dir.
   std::vector<std::string> args;
   int status;
-  std::string message;  // must appear in the stderr line
+  std::string message;             // must appear in the stderr line
+  std::vector<std::string> env{};  // NAME=VALUE settings for the command
 };
 
 void PrintTo(const BadCase& c, std::ostream* os) { *os << c.name; }
@@ -193,14 +209,42 @@ std::vector<BadCase> Cases() {
        "--dsinks needs --sinks"},
       {"same_output_twice", nullptr, Attend({"--dout", "@dout.npy", "--dq", "@out.npy"}), 2,
        "name the same file"},
+      // Spelt differently, one file: the same usage error, not "File exists"
+      // from the second temporary.
+      {"same_output_dot_slash",
+       nullptr,
+       {"attend", "--q", "@q.npy", "--k", "@k.npy", "--v", "@v.npy", "--out", "@out.npy", "--lse",
+        "@./out.npy"},
+       2,
+       "--out and --lse name the same file"},
+      {"same_output_dot_dot", [](const Files& f) { f.Dir("sub"); },
+       Attend({"--dout", "@dout.npy", "--dq", "@sub/../lse.npy"}), 2,
+       "--lse and --dq name the same file"},
+      // D, Dv above the kernels' limit: named by file, like other shape errors.
+      {"head_dim_above_limit",
+       [](const Files& f) {
+         f.F32("q.npy", {1, 16, 4, 257});
+         f.F32("k.npy", {1, 16, 2, 257});
+       },
+       Attend({}), 1, "q.npy: head dim D = 257 is above 256"},
+      {"v_head_dim_above_limit",
+       [](const Files& f) {
+         f.F32("v.npy", {1, 16, 2, 300});
+       },
+       Attend({}), 1, "v.npy: value head dim Dv = 300 is above 256"},
       {"bad_layout", nullptr, Attend({"--layout", "diagonal"}), 2, "--layout"},
       {"bad_backend", nullptr, Attend({"--backend", "pigeon"}), 2, "--backend"},
       {"bad_dtype", nullptr, Attend({"--dtype", "f64"}), 2, "--dtype"},
       {"negative_ranks", nullptr, Attend({"--ranks", "-1"}), 2, "--ranks"},
+      {"zero_ranks", nullptr, Attend({"--ranks", "0"}), 2, "--ranks: expected 1 to 4096, got 0"},
       {"ranks_text", nullptr, Attend({"--ranks", "four"}), 2, "--ranks"},
       {"negative_threads", nullptr, Attend({"--threads-per-rank", "-2"}), 2, "--threads-per-rank"},
       {"zero_timeout", nullptr, Attend({"--comm-timeout", "0"}), 2, "--comm-timeout"},
-      {"unknown_subcommand", nullptr, {"frobnicate"}, 2, "frobnicate"},
+      {"unknown_subcommand",
+       nullptr,
+       {"frobnicate"},
+       2,
+       "unknown subcommand 'frobnicate' (expected demo, attend or bench"},
       {"bench_zero_seq", nullptr, {"bench", "--seq", "0"}, 2, "--seq"},
       {"bench_bad_pass", nullptr, {"bench", "--pass", "sideways"}, 2, "--pass"},
       {"bench_indivisible",
@@ -211,8 +255,95 @@ std::vector<BadCase> Cases() {
       {"bench_kv_heads", nullptr, {"bench", "--heads", "8", "--kv-heads", "3"}, 2, "--kv-heads"},
       {"bench_block", nullptr, {"bench", "--block-q", "20"}, 2, "--block-q"},
       {"bench_iters", nullptr, {"bench", "--iters", "0"}, 2, "--iters"},
+      {"bench_head_dim",
+       nullptr,
+       {"bench", "--head-dim", "257"},
+       2,
+       "--head-dim: expected 1 to 256"},
+      {"bench_v_head_dim",
+       nullptr,
+       {"bench", "--head-dim", "16", "--v-head-dim", "300"},
+       2,
+       "--v-head-dim: expected 1 to 256"},
+      // 0 is a value like any other, not "the default" (docs/CLI.md).
+      {"bench_zero_ranks",
+       nullptr,
+       {"bench", "--ranks", "0"},
+       2,
+       "--ranks: expected 1 to 4096, got 0"},
+      {"bench_zero_kv_heads",
+       nullptr,
+       {"bench", "--kv-heads", "0"},
+       2,
+       "--kv-heads: expected a positive integer, got 0"},
+      {"bench_zero_v_head_dim",
+       nullptr,
+       {"bench", "--v-head-dim", "0"},
+       2,
+       "--v-head-dim: expected 1 to 256"},
+      {"bench_zero_q_seq",
+       nullptr,
+       {"bench", "--q-seq", "0"},
+       2,
+       "--q-seq: expected a positive integer, got 0"},
+      {"bench_negative_threads",
+       nullptr,
+       {"bench", "--threads-per-rank", "-1"},
+       2,
+       "--threads-per-rank: expected >= 1 (or 0 for cores / ranks)"},
       {"demo_ranks", nullptr, {"demo", "--ranks", "0"}, 2, "--ranks"},
       {"demo_bad_seq", nullptr, {"demo", "--seq", "100"}, 2, "does not divide by 8"},
+      // Environment variables: checked before any rank starts, so the line
+      // names the variable, not "rank R failed", and the status is 2.
+      {"kernel_env_unknown",
+       nullptr,
+       Attend({"--ranks", "2"}),
+       2,
+       "attend: RINGSPLASH_KERNEL: expected auto|portable|",
+       {"RINGSPLASH_KERNEL=bogus"}},
+      {"kernel_env_unknown_demo",
+       nullptr,
+       {"demo", "--seq", "256"},
+       2,
+       "demo: RINGSPLASH_KERNEL: expected auto|portable|",
+       {"RINGSPLASH_KERNEL=bogus"}},
+      {"fault_env_malformed",
+       nullptr,
+       Attend({"--ranks", "2"}),
+       2,
+       "attend: fault spec (RINGSPLASH_FAULT)",
+       {"RINGSPLASH_FAULT=banana"}},
+      // A fault the ring would never reach must not pass for an injected one.
+      {"fault_env_rank_outside_ring",
+       nullptr,
+       Attend({"--ranks", "2"}),
+       2,
+       "RINGSPLASH_FAULT=2:0: rank 2 is not in this ring of 2 ranks",
+       {"RINGSPLASH_FAULT=2:0"}},
+      {"fault_env_step_past_ring",
+       nullptr,
+       Attend({"--ranks", "2"}),
+       2,
+       "RINGSPLASH_FAULT=1:2: step 2 is past the last ring step",
+       {"RINGSPLASH_FAULT=1:2"}},
+      {"fault_env_backward_not_run",
+       nullptr,
+       Attend({"--ranks", "2"}),
+       2,
+       "RINGSPLASH_FAULT=0:0:bwd: the backward pass does not run",
+       {"RINGSPLASH_FAULT=0:0:bwd"}},
+      {"fault_env_single_device",
+       nullptr,
+       Attend({}),
+       2,
+       "RINGSPLASH_FAULT=0:0: no ring runs with 1 rank",
+       {"RINGSPLASH_FAULT=0:0"}},
+      {"fault_env_rank_outside_bench_ring",
+       nullptr,
+       {"bench", "--seq", "64", "--ranks", "2"},
+       2,
+       "bench: RINGSPLASH_FAULT=3:0: rank 3 is not in this ring of 2 ranks",
+       {"RINGSPLASH_FAULT=3:0"}},
   };
 }
 
@@ -227,7 +358,11 @@ TEST_P(BadInputTest, OneLineOnStderrAndNoOutputLeft) {
   for (const std::string& a : c.args) args.push_back(a[0] == '@' ? dir / a.substr(1) : a);
   const std::vector<std::string> before = dir.List();
 
-  const CommandResult r = RunCli(args, 60);
+  std::vector<std::string> argv = {"env"};
+  argv.insert(argv.end(), c.env.begin(), c.env.end());
+  argv.push_back(RINGSPLASH_CLI);
+  argv.insert(argv.end(), args.begin(), args.end());
+  const CommandResult r = RunCommand(argv, 60);
   EXPECT_EQ(r.status, c.status) << r.err;
   EXPECT_EQ(CountLines(r.err), 1) << r.err;
   EXPECT_NE(r.err.find(c.message), std::string::npos) << r.err;
@@ -262,6 +397,94 @@ TEST(BadInputMpi, RankZeroReportsAndNothingIsLeft) {
   EXPECT_EQ(r.err.find(msg, first + 1), std::string::npos) << r.err;
   EXPECT_EQ(dir.List(), before);
 #endif
+}
+
+// Ctrl-C during a run: the temporaries go, an existing output stays, one
+// stderr line says so, nothing is on stdout, and the process dies of the
+// signal (exit status 128 + 2 = 130 in a shell; docs/CLI.md).
+TEST(Interrupted, SigintRemovesTemporariesAndPrintsOneLine) {
+  ScratchDir dir, capture;
+  Files files(dir);
+  // Big enough that the forward runs for about a second on one thread after
+  // the temporaries appear; the signal follows them within milliseconds.
+  files.F32("q.npy", {1, 8192, 8, 64});
+  files.F32("k.npy", {1, 8192, 8, 64});
+  files.F32("v.npy", {1, 8192, 8, 64});
+  files.Raw("out.npy", "old");
+  const std::vector<std::string> before = dir.List();
+
+  std::vector<std::string> args = {
+      RINGSPLASH_CLI, "attend", "--q",           dir / "q.npy",        "--k", dir / "k.npy", "--v",
+      dir / "v.npy",  "--out",  dir / "out.npy", "--threads-per-rank", "1"};
+  std::vector<char*> argv;
+  for (std::string& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  posix_spawn_file_actions_t actions;
+  ASSERT_EQ(posix_spawn_file_actions_init(&actions), 0);
+  posix_spawn_file_actions_addopen(&actions, STDIN_FILENO, "/dev/null", O_RDONLY, 0);
+  posix_spawn_file_actions_addopen(&actions, STDOUT_FILENO, (capture / "out").c_str(),
+                                   O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  posix_spawn_file_actions_addopen(&actions, STDERR_FILENO, (capture / "err").c_str(),
+                                   O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  pid_t pid = 0;
+  const int spawned = posix_spawn(&pid, argv[0], &actions, nullptr, argv.data(), environ);
+  posix_spawn_file_actions_destroy(&actions);
+  ASSERT_EQ(spawned, 0) << "cannot start " << RINGSPLASH_CLI;
+
+  // Wait for the temporary (".out.npy.<pid>.ringsplash-tmp"), then interrupt.
+  int status = 0;
+  bool exited = false, seen = false;
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while (!seen && !exited && std::chrono::steady_clock::now() < deadline) {
+    for (const std::string& name : dir.List()) seen = seen || name.rfind(".out.npy.", 0) == 0;
+    if (!seen) {
+      exited = waitpid(pid, &status, WNOHANG) == pid;
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    }
+  }
+  if (!exited) {
+    ::kill(pid, SIGINT);
+    ASSERT_EQ(waitpid(pid, &status, 0), pid);
+  }
+  ASSERT_TRUE(seen) << "no temporary output appeared";
+
+  std::ifstream err_file(capture / "err"), out_file(capture / "out");
+  const std::string err((std::istreambuf_iterator<char>(err_file)), {});
+  const std::string out((std::istreambuf_iterator<char>(out_file)), {});
+  EXPECT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGINT) << "status " << status << err;
+  EXPECT_EQ(err, "ringsplash attend: interrupted by SIGINT\n");
+  EXPECT_EQ(out, "");
+  EXPECT_EQ(dir.List(), before) << "a temporary was left behind";
+  std::ifstream old(dir / "out.npy");
+  EXPECT_EQ(std::string((std::istreambuf_iterator<char>(old)), {}), "old");
+}
+
+// kernel_path names the path that does the dtype's products. f32 products
+// have no bf16 or AMX form: on the avx512_bf16 and amx paths they run on
+// AVX-512 FMA, and an f32 run must say avx512, not amx.
+TEST(KernelPathReport, NamesThePathOfTheDtypesProducts) {
+  std::vector<std::string> forced = {""};  // "": RINGSPLASH_KERNEL as the test has it
+  for (KernelPath p : SupportedKernelPaths()) {
+    if (p == KernelPath::kAvx512Bf16 || p == KernelPath::kAmx) forced.push_back(KernelPathName(p));
+  }
+  for (const std::string& path : forced) {
+    const std::string resolved =
+        path.empty() ? KernelPathName(ResolveKernelPath(KernelPath::kAuto)) : path;
+    for (const std::string dtype : {"f32", "bf16"}) {
+      std::vector<std::string> argv = {"env"};
+      if (!path.empty()) argv.push_back("RINGSPLASH_KERNEL=" + path);
+      argv.insert(argv.end(),
+                  {RINGSPLASH_CLI, "bench", "--seq", "64", "--heads", "1", "--head-dim", "16",
+                   "--warmup", "0", "--iters", "1", "--threads-per-rank", "1", "--dtype", dtype});
+      const CommandResult r = RunCommand(argv, 120);
+      ASSERT_EQ(r.status, 0) << r.err;
+      const nlohmann::json j = nlohmann::json::parse(r.out);
+      const bool f32_on_bf16_path =
+          dtype == "f32" && (resolved == "avx512_bf16" || resolved == "amx");
+      EXPECT_EQ(j["kernel_path"], f32_on_bf16_path ? "avx512" : resolved)
+          << "RINGSPLASH_KERNEL=" << path << " --dtype " << dtype;
+    }
+  }
 }
 
 }  // namespace
