@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <mutex>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -155,13 +156,20 @@ TEST(RingFaultTest, BackwardFaultFailsEveryRank) {
 
 // A fault aimed at a step the ring never reaches (or at a pass that does
 // not run) fires nowhere.
-TEST(RingFaultTest, FaultBeyondTheLastStepDoesNothing) {
-  FaultSpec f;
-  f.rank = 1;
-  f.step = 3;  // N = 3: steps 0..2
-  const Outcome o = RunWithFault(3, Layout::kContiguous, f);
-  EXPECT_EQ(o.run_error, "");
-  for (const std::string& e : o.rank_errors) EXPECT_EQ(e, "");
+// A fault the ring would never reach (a step or rank it does not have) is an
+// error on every rank naming it, not a run that silently injects nothing.
+TEST(RingFaultTest, FaultOutsideTheRingIsAnError) {
+  for (const auto& [rank, step, what] : {std::tuple<int, int, const char*>{1, 3, "step 3"},
+                                         std::tuple<int, int, const char*>{3, 0, "rank 3"}}) {
+    FaultSpec f;
+    f.rank = rank;
+    f.step = step;  // N = 3: ranks and steps 0..2
+    const Outcome o = RunWithFault(3, Layout::kContiguous, f);
+    EXPECT_NE(o.run_error.find(what), std::string::npos) << o.run_error;
+    for (const std::string& e : o.rank_errors) {
+      EXPECT_NE(e.find("options.fault: " + std::string(what)), std::string::npos) << e;
+    }
+  }
 }
 
 // RingAttentionThreads reports the failed rank too, and an explicit
