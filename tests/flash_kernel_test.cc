@@ -112,6 +112,68 @@ TEST(KernelPathTest, SupportedAndResolve) {
   unsetenv("RINGSPLASH_KERNEL");
 }
 
+// Every CPU this library may meet, as far as this one can play it (a
+// feature set can only be hidden, ScopedCpuFeaturesForTesting): the paths
+// it supports, the one kAuto picks (amx, avx512_bf16 only where its dot
+// products are fast, avx512, avx2, portable), and the refusal of every
+// other path, requested directly or through RINGSPLASH_KERNEL.
+TEST(KernelPathTest, ResolutionOnEveryCpuThisOneCanPlay) {
+  unsetenv("RINGSPLASH_KERNEL");
+  const kernels::CpuFeatures real = kernels::DetectCpuFeatures();
+  struct Cpu {
+    const char* name;
+    kernels::CpuFeatures f;
+  };
+  const Cpu cpus[] = {
+      {"no SIMD", {}},
+      {"AVX2 only", {.avx2 = true}},
+      {"AVX-512", {.avx2 = true, .avx512 = true}},
+      {"AVX-512 BF16, slow dot (Intel)",
+       {.avx2 = true, .avx512 = true, .avx512_bf16 = true, .fast_bf16_dot = false}},
+      {"AVX-512 BF16, fast dot (AMD)",
+       {.avx2 = true, .avx512 = true, .avx512_bf16 = true, .fast_bf16_dot = true}},
+      {"AMX", {.avx2 = true, .avx512 = true, .avx512_bf16 = true, .amx = true}},
+  };
+  for (const Cpu& cpu : cpus) {
+    const kernels::ScopedCpuFeaturesForTesting as(cpu.f);
+    const kernels::CpuFeatures& f = kernels::DetectCpuFeatures();
+    SCOPED_TRACE(cpu.name);
+    // Only hidden, never added.
+    EXPECT_TRUE(!f.avx512 || real.avx512);
+    EXPECT_TRUE(!f.amx || real.amx);
+    std::vector<KernelPath> expected = {KernelPath::kPortable};
+    if (f.avx2) expected.push_back(KernelPath::kAvx2);
+    if (f.avx512) expected.push_back(KernelPath::kAvx512);
+    if (f.avx512_bf16) expected.push_back(KernelPath::kAvx512Bf16);
+    if (f.amx) expected.push_back(KernelPath::kAmx);
+    EXPECT_EQ(SupportedKernelPaths(), expected);
+    const KernelPath best = f.amx                              ? KernelPath::kAmx
+                            : f.avx512_bf16 && f.fast_bf16_dot ? KernelPath::kAvx512Bf16
+                            : f.avx512                         ? KernelPath::kAvx512
+                            : f.avx2                           ? KernelPath::kAvx2
+                                                               : KernelPath::kPortable;
+    EXPECT_EQ(ResolveKernelPath(KernelPath::kAuto), best);
+    for (KernelPath p : {KernelPath::kPortable, KernelPath::kAvx2, KernelPath::kAvx512,
+                         KernelPath::kAvx512Bf16, KernelPath::kAmx}) {
+      const bool ok = std::find(expected.begin(), expected.end(), p) != expected.end();
+      if (ok) {
+        EXPECT_EQ(ResolveKernelPath(p), p);
+        continue;
+      }
+      EXPECT_THROW(ResolveKernelPath(p), Error) << KernelPathName(p);
+      setenv("RINGSPLASH_KERNEL", KernelPathName(p), 1);
+      try {
+        ResolveKernelPath(KernelPath::kAuto);
+        ADD_FAILURE() << "RINGSPLASH_KERNEL=" << KernelPathName(p) << " was accepted";
+      } catch (const Error& e) {
+        EXPECT_NE(std::string(e.what()).find("RINGSPLASH_KERNEL: kernel path '"), std::string::npos)
+            << e.what();
+      }
+      unsetenv("RINGSPLASH_KERNEL");
+    }
+  }
+}
+
 // --- FlashForward / FlashBackward against the f64 reference -------------------
 
 TEST(FlashTest, HeadDimsAndRaggedShapesOnEveryPath) {

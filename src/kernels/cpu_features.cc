@@ -111,14 +111,38 @@ bool Supported(KernelPath path) {
 
 }  // namespace
 
-const CpuFeatures& DetectCpuFeatures() {
+namespace {
+
+const CpuFeatures& RealFeatures() {
   static const CpuFeatures features = Detect();
   return features;
 }
 
+const CpuFeatures* g_override = nullptr;  // ScopedCpuFeaturesForTesting
+
+}  // namespace
+
+const CpuFeatures& DetectCpuFeatures() {
+  return g_override != nullptr ? *g_override : RealFeatures();
+}
+
+ScopedCpuFeaturesForTesting::ScopedCpuFeaturesForTesting(const CpuFeatures& features)
+    : features_(features), previous_(g_override) {
+  const CpuFeatures& real = RealFeatures();
+  features_.avx2 = features.avx2 && real.avx2;
+  features_.avx512 = features.avx512 && real.avx512;
+  features_.avx512_bf16 = features.avx512_bf16 && real.avx512_bf16;
+  features_.amx = features.amx && real.amx;
+  g_override = &features_;
+}
+
+ScopedCpuFeaturesForTesting::~ScopedCpuFeaturesForTesting() { g_override = previous_; }
+
 bool AmxTilesPermitted() {
 #if defined(__x86_64__)
-  static const bool permitted = DetectCpuFeatures().amx && RequestTileData();
+  // The real CPU's: a test's override must not decide this once for the
+  // whole process.
+  static const bool permitted = RealFeatures().amx && RequestTileData();
   return permitted;
 #else
   return false;

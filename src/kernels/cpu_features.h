@@ -28,8 +28,28 @@ struct CpuFeatures {
   bool amx = false;
 };
 
-// Detected once (cpuid + xgetbv), then cached.
+// Detected once (cpuid + xgetbv), then cached; while a
+// ScopedCpuFeaturesForTesting lives, its features instead.
 const CpuFeatures& DetectCpuFeatures();
+
+// Tests only: while alive, DetectCpuFeatures() (and with it the supported
+// paths, ResolveKernelPath and kAuto) reports `features`, each instruction-
+// set bit ANDed with what this CPU has (an override can hide a set, never
+// add one, so no path the CPU cannot run becomes callable), fast_bf16_dot as
+// given (a speed property, no instructions behind it). Lets the refusal of
+// unsupported paths and the order kAuto resolves in be tested on any CPU.
+// Not thread-safe: for test bodies that make no concurrent calls.
+class ScopedCpuFeaturesForTesting {
+ public:
+  explicit ScopedCpuFeaturesForTesting(const CpuFeatures& features);
+  ~ScopedCpuFeaturesForTesting();
+  ScopedCpuFeaturesForTesting(const ScopedCpuFeaturesForTesting&) = delete;
+  ScopedCpuFeaturesForTesting& operator=(const ScopedCpuFeaturesForTesting&) = delete;
+
+ private:
+  CpuFeatures features_;
+  const CpuFeatures* previous_;
+};
 
 // Whether this process may run AMX tile instructions: DetectCpuFeatures().amx
 // and, on Linux, the tile-data permission (arch_prctl ARCH_REQ_XCOMP_PERM),
