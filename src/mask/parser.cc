@@ -160,10 +160,12 @@ class Parser {
     Reject("internal parser error");
   }
 
-  // Parses one optionally signed decimal int64 argument of `term`.
-  int64_t ParseInt(std::string_view term, std::string_view arg, const char* what) const {
+  // Parses one optionally signed decimal int64 argument of `term`;
+  // `expected` says what the term wants there (for the message).
+  int64_t ParseInt(std::string_view term, std::string_view arg, const char* what,
+                   const char* expected = "an optionally signed decimal integer") const {
     arg = Trim(arg);
-    if (arg.empty()) Reject("term '", term, "': missing ", what, " (expected a decimal integer)");
+    if (arg.empty()) Reject("term '", term, "': missing ", what, " (expected ", expected, ")");
     std::string_view digits = arg;
     if (digits.front() == '+') digits.remove_prefix(1);
     int64_t value = 0;
@@ -175,8 +177,8 @@ class Parser {
     }
     if (ec != std::errc() || ptr != last || digits.empty() ||
         (digits.front() == '-' && arg.front() == '+')) {
-      Reject("term '", term, "': ", what, " '", arg,
-             "' is not an integer (expected an optionally signed decimal integer)");
+      Reject("term '", term, "': ", what, " '", arg, "' is not an integer (expected ", expected,
+             ")");
     }
     return value;
   }
@@ -215,8 +217,9 @@ class Parser {
       }
       std::optional<int64_t> left;
       std::optional<int64_t> right;
-      if (!args[0].empty()) left = ParseInt(term, args[0], "left side L");
-      if (!args[1].empty()) right = ParseInt(term, args[1], "right side R");
+      constexpr const char* kSide = "a decimal integer >= 0, or nothing for unbounded";
+      if (!args[0].empty()) left = ParseInt(term, args[0], "left side L", kSide);
+      if (!args[1].empty()) right = ParseInt(term, args[1], "right side R", kSide);
       if ((left && *left < 0) || (right && *right < 0)) {
         Reject("term '", term, "': window sides L and R must be >= 0, got L=",
                left ? std::to_string(*left) : "(unbounded)",
@@ -229,9 +232,14 @@ class Parser {
       if (!has_args || args.size() != 1) {
         Reject("term '", term, "': chunked needs one chunk length (expected chunked:C)");
       }
-      const int64_t chunk = ParseInt(term, args[0], "chunk length C");
+      const int64_t chunk = ParseInt(term, args[0], "chunk length C", "a decimal integer > 0");
       if (chunk <= 0) Reject("term '", term, "': chunk length must be > 0, got ", chunk);
       return Mask::ChunkedCausal(chunk);
+    }
+    // "causal local:1,1": two terms with the operator missing between them.
+    if (Trim(term).find_first_of(" \t") != std::string_view::npos) {
+      Reject("unknown term '", term, "' (terms are joined with '&' or '|'; expected ",
+             kExpectedTerms, ")");
     }
     Reject("unknown term '", term, "' (expected ", kExpectedTerms, ")");
   }
