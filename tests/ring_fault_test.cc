@@ -154,8 +154,6 @@ TEST(RingFaultTest, BackwardFaultFailsEveryRank) {
   }
 }
 
-// A fault aimed at a step the ring never reaches (or at a pass that does
-// not run) fires nowhere.
 // A fault the ring would never reach (a step or rank it does not have) is an
 // error on every rank naming it, not a run that silently injects nothing.
 TEST(RingFaultTest, FaultOutsideTheRingIsAnError) {

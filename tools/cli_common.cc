@@ -100,7 +100,7 @@ void CheckEnvironment(int ranks, bool backward) {
 std::string KernelPathFor(DType dtype) {
   const KernelPath path = ResolveKernelPath(KernelPath::kAuto);
   const bool bf16_only = path == KernelPath::kAvx512Bf16 || path == KernelPath::kAmx;
-  if (dtype == DType::kF32 && bf16_only) return KernelPathName(KernelPath::kAvx512);
+  if (dtype != DType::kBF16 && bf16_only) return KernelPathName(KernelPath::kAvx512);
   return KernelPathName(path);
 }
 

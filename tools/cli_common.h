@@ -51,8 +51,9 @@ constexpr int64_t kMaxHeadDim = 256;
 void CheckEnvironment(int ranks, bool backward);
 
 // The micro-kernel path that does `dtype`'s products: what kAuto (or
-// RINGSPLASH_KERNEL) resolves to, except that f32 products have no bf16 or
-// AMX form, so on the avx512_bf16 and amx paths they run on AVX-512 FMA.
+// RINGSPLASH_KERNEL) resolves to, except that f32 products (f16 inputs are
+// widened to f32) have no bf16 or AMX form, so on the avx512_bf16 and amx
+// paths they run on AVX-512 FMA.
 std::string KernelPathFor(DType dtype);
 
 // Exit statuses.

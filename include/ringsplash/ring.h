@@ -36,6 +36,10 @@ void GatherSequence(Layout layout, int rank, int num_ranks, const TensorView& lo
                     const TensorView& global, int seq_dim = 1);
 
 // Which rank fails, where — for fault-injection tests (RINGSPLASH_FAULT=R:S[:fwd|:bwd]).
+// A negative rank or step (FaultSpec{}'s) injects nothing: RingOptions::fault
+// = FaultSpec{} overrides RINGSPLASH_FAULT with no fault. A rank or step the
+// ring does not have is an Error (a fault that silently never fires would
+// mislead whoever tests failure handling).
 struct FaultSpec {
   int rank = -1;
   int step = -1;

@@ -129,10 +129,11 @@ const CpuFeatures& DetectCpuFeatures() {
 ScopedCpuFeaturesForTesting::ScopedCpuFeaturesForTesting(const CpuFeatures& features)
     : features_(features), previous_(g_override) {
   const CpuFeatures& real = RealFeatures();
+  // Each set also needs the narrower ones, as on every real CPU.
   features_.avx2 = features.avx2 && real.avx2;
-  features_.avx512 = features.avx512 && real.avx512;
-  features_.avx512_bf16 = features.avx512_bf16 && real.avx512_bf16;
-  features_.amx = features.amx && real.amx;
+  features_.avx512 = features.avx512 && real.avx512 && features_.avx2;
+  features_.avx512_bf16 = features.avx512_bf16 && real.avx512_bf16 && features_.avx512;
+  features_.amx = features.amx && real.amx && features_.avx512_bf16;
   g_override = &features_;
 }
 

@@ -34,8 +34,9 @@ const CpuFeatures& DetectCpuFeatures();
 
 // Tests only: while alive, DetectCpuFeatures() (and with it the supported
 // paths, ResolveKernelPath and kAuto) reports `features`, each instruction-
-// set bit ANDed with what this CPU has (an override can hide a set, never
-// add one, so no path the CPU cannot run becomes callable), fast_bf16_dot as
+// set bit ANDed with what this CPU has and with the narrower sets it needs
+// (an override can hide a set, never add one, so no path the CPU cannot
+// run becomes callable), fast_bf16_dot as
 // given (a speed property, no instructions behind it). Lets the refusal of
 // unsupported paths and the order kAuto resolves in be tested on any CPU.
 // Not thread-safe: for test bodies that make no concurrent calls.

@@ -21,9 +21,10 @@
 //     head of the part, q block) ascending, then added to dk_acc / dv_acc;
 //   dQ tile of (h, qb): zeroed, then += over kvb ascending, then added to dq_acc.
 // Two schedules realise exactly these operation sequences:
-//   one pass: tasks (batch, kv head, part) walk kvb, then the part's heads,
-//     then q blocks, with the part's dQ tiles in a per-task scratch; each
-//     tile computed once. Part 0 adds its dK/dV tiles to the accumulators
+//   one pass: tasks (batch, kv head, part) walk groups of up to four kv
+//     blocks (KvBlocks), then the part's heads, then q blocks, each q tile
+//     serving the group's kv tiles in kvb order, with the part's dQ tiles in
+//     a per-task scratch; each tile computed once. Part 0 adds its dK/dV tiles to the accumulators
 //     as it goes; later parts keep theirs in per-part buffers, added in part
 //     order once every task is done (with one worker, which runs the parts
 //     in order, they add theirs as they go too);
