@@ -5,6 +5,7 @@
 // AttentionForward and AttentionBackward (the ring and CLI rely on that).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <functional>
@@ -348,7 +349,10 @@ TEST(ErrorTest, NumThreadsAtTheLimitPasses) {
   EXPECT_NO_THROW(ValidateAttentionInputs(call.in, call.opt));
 }
 
-// A stride of 0 on a dim of size 1 aliases nothing: such outputs are fine.
+// A stride of 0 on a dim of size 1 aliases nothing: such outputs are
+// accepted and written like contiguous ones (against the f64 reference, the
+// backward fed dout = out; f32 over 16 keys: 1e-5 of each tensor's largest
+// magnitude, as elsewhere).
 TEST(ErrorTest, ZeroStrideOnSizeOneOutputDimsPasses) {
   Rng rng(3);
   ProblemSpec spec(1, 8, 16, 1, 1, 16, 8);
@@ -365,8 +369,22 @@ TEST(ErrorTest, ZeroStrideOnSizeOneOutputDimsPasses) {
   for (TensorView* t : {&o, &gq, &gk, &gv}) t->stride[0] = t->stride[2] = 0;
   l.stride[0] = l.stride[1] = 0;
   gs.stride[0] = 0;
-  EXPECT_NO_THROW(AttentionForward(in, opt, o, l));
-  EXPECT_NO_THROW(AttentionBackward(in, opt, o, l, o, gq, gk, gv, gs));
+  ASSERT_NO_THROW(AttentionForward(in, opt, o, l));
+  const RefResult fwd = RunReference(owned, opt, nullptr);
+  EXPECT_LE(Compare(ToDoubles(o), fwd.fwd.out).Relative(), 1e-5);
+  EXPECT_LE(Compare(ToDoubles(l), fwd.fwd.lse).Relative(1.0), 1e-5);
+  const Tensor dout = TensorFromDoubles(ToDoubles(o), DType::kF32, {1, 8, 1, 8});
+  ASSERT_NO_THROW(AttentionBackward(in, opt, o, l, o, gq, gk, gv, gs));
+  const RefResult bwd = RunReference(owned, opt, &dout);
+  ApiResult api;
+  api.out = ToDoubles(o);
+  api.lse = ToDoubles(l);
+  api.dq = ToDoubles(gq);
+  api.dk = ToDoubles(gk);
+  api.dv = ToDoubles(gv);
+  api.dsinks = ToDoubles(gs);
+  const Errors e = ErrorsOf(api, bwd);
+  EXPECT_LE(std::max({e.dq, e.dk, e.dv, e.dsinks}), 1e-5) << e.Describe();
 }
 
 // Outputs may be f32 when the inputs are bf16 (and vice versa is refused).
