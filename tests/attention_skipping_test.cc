@@ -23,27 +23,36 @@ namespace {
 
 constexpr double kF32Tol = kF32Tolerance;
 
-// Expected tile counts, derived element by element (independent of the
-// block map's analytic classification): a tile is computed iff some pair in
-// it is allowed, full iff every pair is.
-KernelStats ExpectedStats(const Mask& mask, int64_t b, int64_t h, int64_t sq, int64_t skv,
-                          int64_t bq, int64_t bkv) {
+// Tile counts, derived element by element (independent of the block map's
+// analytic classification): a tile is computed iff some pair in it is
+// allowed, full iff every pair is. allowed(head, q, kv) for heads [0, h),
+// each tile counted b times (batch).
+template <class Allowed>
+KernelStats CountTiles(const Allowed& allowed, int64_t b, int64_t h, int64_t sq, int64_t skv,
+                       int64_t bq, int64_t bkv) {
   KernelStats s;
   for (int64_t hh = 0; hh < h; ++hh)
     for (int64_t q0 = 0; q0 < sq; q0 += bq)
       for (int64_t k0 = 0; k0 < skv; k0 += bkv) {
-        int64_t allowed = 0, total = 0;
+        int64_t in = 0, total = 0;
         for (int64_t i = q0; i < std::min(q0 + bq, sq); ++i)
           for (int64_t j = k0; j < std::min(k0 + bkv, skv); ++j, ++total)
-            allowed += mask.Allowed(hh, i, j) ? 1 : 0;
-        if (allowed == 0) {
+            in += allowed(hh, i, j) ? 1 : 0;
+        if (in == 0) {
           s.skipped_blocks += b;
         } else {
           s.computed_blocks += b;
-          (allowed == total ? s.full_blocks : s.partial_blocks) += b;
+          (in == total ? s.full_blocks : s.partial_blocks) += b;
         }
       }
   return s;
+}
+
+// The counts of `mask` (through Mask::Allowed).
+KernelStats ExpectedStats(const Mask& mask, int64_t b, int64_t h, int64_t sq, int64_t skv,
+                          int64_t bq, int64_t bkv) {
+  return CountTiles([&](int64_t hh, int64_t i, int64_t j) { return mask.Allowed(hh, i, j); }, b, h,
+                    sq, skv, bq, bkv);
 }
 
 void ExpectStats(const KernelStats& got, const KernelStats& want, const std::string& what) {
@@ -107,22 +116,8 @@ TEST(SkippingTest, SlidingWindowComputesAboutWindowOverBlockTilesPerRow) {
 // [0, s) on both sides, each tile counted `copies` times (batch x heads).
 KernelStats PairwiseStats(bool (*allowed)(int64_t q, int64_t kv), int64_t copies, int64_t s,
                           int64_t bq, int64_t bkv) {
-  KernelStats st;
-  for (int64_t q0 = 0; q0 < s; q0 += bq) {
-    for (int64_t k0 = 0; k0 < s; k0 += bkv) {
-      int64_t in = 0, total = 0;
-      for (int64_t i = q0; i < std::min(q0 + bq, s); ++i) {
-        for (int64_t j = k0; j < std::min(k0 + bkv, s); ++j, ++total) in += allowed(i, j) ? 1 : 0;
-      }
-      if (in == 0) {
-        st.skipped_blocks += copies;
-      } else {
-        st.computed_blocks += copies;
-        (in == total ? st.full_blocks : st.partial_blocks) += copies;
-      }
-    }
-  }
-  return st;
+  return CountTiles([&](int64_t, int64_t i, int64_t j) { return allowed(i, j); }, copies, 1, s, s,
+                    bq, bkv);
 }
 
 // Compositions skip every tile either side rules out (SPEC §3; §6: the

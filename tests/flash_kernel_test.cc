@@ -65,6 +65,16 @@ TEST(KernelPathTest, NamesRoundTripAndBadNamesThrow) {
   EXPECT_THROW(ParseKernelPath(""), Error);
 }
 
+// What kAuto must pick on a CPU with features f: amx where usable,
+// avx512_bf16 only where bf16 dot products are fast, else avx512, else avx2.
+KernelPath ExpectedAutoPath(const kernels::CpuFeatures& f) {
+  if (f.amx) return KernelPath::kAmx;
+  if (f.avx512_bf16 && f.fast_bf16_dot) return KernelPath::kAvx512Bf16;
+  if (f.avx512) return KernelPath::kAvx512;
+  if (f.avx2) return KernelPath::kAvx2;
+  return KernelPath::kPortable;
+}
+
 TEST(KernelPathTest, SupportedAndResolve) {
   const std::vector<KernelPath> paths = SupportedKernelPaths();
   ASSERT_FALSE(paths.empty());
@@ -91,14 +101,7 @@ TEST(KernelPathTest, SupportedAndResolve) {
   }
 
   unsetenv("RINGSPLASH_KERNEL");
-  // kAuto: amx where usable, avx512_bf16 only where bf16 dot products are
-  // fast, else avx512, else avx2.
-  const KernelPath best = f.amx                              ? KernelPath::kAmx
-                          : f.avx512_bf16 && f.fast_bf16_dot ? KernelPath::kAvx512Bf16
-                          : f.avx512                         ? KernelPath::kAvx512
-                          : f.avx2                           ? KernelPath::kAvx2
-                                                             : KernelPath::kPortable;
-  EXPECT_EQ(ResolveKernelPath(KernelPath::kAuto), best);
+  EXPECT_EQ(ResolveKernelPath(KernelPath::kAuto), ExpectedAutoPath(f));
   setenv("RINGSPLASH_KERNEL", "portable", 1);
   EXPECT_EQ(ResolveKernelPath(KernelPath::kAuto), KernelPath::kPortable);
   // The environment only overrides kAuto.
@@ -147,12 +150,7 @@ TEST(KernelPathTest, ResolutionOnEveryCpuThisOneCanPlay) {
     if (f.avx512_bf16) expected.push_back(KernelPath::kAvx512Bf16);
     if (f.amx) expected.push_back(KernelPath::kAmx);
     EXPECT_EQ(SupportedKernelPaths(), expected);
-    const KernelPath best = f.amx                              ? KernelPath::kAmx
-                            : f.avx512_bf16 && f.fast_bf16_dot ? KernelPath::kAvx512Bf16
-                            : f.avx512                         ? KernelPath::kAvx512
-                            : f.avx2                           ? KernelPath::kAvx2
-                                                               : KernelPath::kPortable;
-    EXPECT_EQ(ResolveKernelPath(KernelPath::kAuto), best);
+    EXPECT_EQ(ResolveKernelPath(KernelPath::kAuto), ExpectedAutoPath(f));
     for (KernelPath p : {KernelPath::kPortable, KernelPath::kAvx2, KernelPath::kAvx512,
                          KernelPath::kAvx512Bf16, KernelPath::kAmx}) {
       const bool ok = std::find(expected.begin(), expected.end(), p) != expected.end();
