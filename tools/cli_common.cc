@@ -62,38 +62,22 @@ int DefaultThreadsPerRank(int ranks_on_this_machine) {
 }
 
 void CheckEnvironment(int ranks, bool backward) {
+  // A bad setting, not a failed run: every Error here is a usage error.
   try {
     ResolveKernelPath(KernelPath::kAuto);  // reads RINGSPLASH_KERNEL
-  } catch (const Error& e) {
-    throw UsageError(e.what());
-  }
-  std::optional<FaultSpec> fault;
-  try {
-    fault = FaultSpec::FromEnv();
-  } catch (const Error& e) {
-    throw UsageError(e.what());
-  }
-  if (!fault) return;
-  const std::string spec = std::getenv("RINGSPLASH_FAULT");
-  // The ring skips a fault it never reaches; a user testing failure
-  // handling would then believe a fault was injected.
-  if (ranks < 2) {
-    Usage("RINGSPLASH_FAULT=", spec,
+    const std::optional<FaultSpec> fault = FaultSpec::FromEnv();
+    if (!fault) return;
+    const std::string what = std::string("RINGSPLASH_FAULT=") + std::getenv("RINGSPLASH_FAULT");
+    // The ring skips a fault it never reaches; a user testing failure
+    // handling would then believe a fault was injected.
+    Check(ranks >= 2, what,
           ": no ring runs with 1 rank (the single-device kernel), so no fault can be injected; "
           "use --ranks 2 or more, or unset RINGSPLASH_FAULT");
-  }
-  if (fault->rank >= ranks) {
-    Usage("RINGSPLASH_FAULT=", spec, ": rank ", fault->rank, " is not in this ring of ", ranks,
-          " ranks (expected RANK in 0..", ranks - 1, ")");
-  }
-  if (fault->step >= ranks) {
-    Usage("RINGSPLASH_FAULT=", spec, ": step ", fault->step,
-          " is past the last ring step (expected STEP in 0..", ranks - 1, " with ", ranks,
-          " ranks)");
-  }
-  if (fault->backward && !backward) {
-    Usage("RINGSPLASH_FAULT=", spec,
+    fault->CheckFits(ranks, what);
+    Check(!fault->backward || backward, what,
           ": the backward pass does not run (attend: give --dout; bench: --pass bwd or fwdbwd)");
+  } catch (const Error& e) {
+    throw UsageError(e.what());
   }
 }
 

@@ -48,6 +48,10 @@ struct FaultSpec {
   static FaultSpec Parse(const std::string& text);
   // From the environment variable RINGSPLASH_FAULT, if set.
   static std::optional<FaultSpec> FromEnv();
+  // Throws Error, its message starting with `what` (where the spec came
+  // from), if the spec names a rank or step that a ring of num_ranks does
+  // not have; an inert spec (negative rank or step) always fits.
+  void CheckFits(int num_ranks, const std::string& what) const;
 };
 
 struct RingOptions {

@@ -53,6 +53,15 @@ std::optional<FaultSpec> FaultSpec::FromEnv() {
   return Parse(v);
 }
 
+void FaultSpec::CheckFits(int num_ranks, const std::string& what) const {
+  if (rank < 0 || step < 0) return;
+  Check(rank < num_ranks, what, ": rank ", rank, " is not in this ring of ", num_ranks,
+        " ranks (expected RANK in 0..", num_ranks - 1, ")");
+  Check(step < num_ranks, what, ": step ", step,
+        " is past the last ring step (expected STEP in 0..", num_ranks - 1, " with ", num_ranks,
+        " ranks)");
+}
+
 namespace ring_internal {
 
 void MaybeInjectFault(Communicator& comm, const RingSetup& setup, int step, bool backward) {
