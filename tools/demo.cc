@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdio>
 #include <iostream>
+#include <string>
 
 #include "ringsplash/ring.h"
 #include "tools/bench.h"
@@ -23,6 +24,18 @@ namespace {
 // The bounds leave an order of magnitude of margin.
 constexpr double kTolF32 = 1e-3;
 constexpr double kTolBF16 = 3e-2;
+
+// "out 1.1e-07, lse 9.8e-08, ...": each checked tensor's error.
+std::string ErrorList(const BenchResult& r) {
+  std::string list;
+  if (!r.check) return list;
+  for (const auto& [name, err] : r.check->errors) {
+    char buf[64];
+    std::snprintf(buf, sizeof(buf), "%s%s %.1e", list.empty() ? "" : ", ", name.c_str(), err);
+    list += buf;
+  }
+  return list;
+}
 
 // Only for a passed check: a failure prints nothing on stdout.
 void PrintTable(const BenchResult& r, double tol) {
@@ -60,14 +73,9 @@ void PrintTable(const BenchResult& r, double tol) {
   if (r.check) {
     std::printf(
         "  %-12s max rel err %.2e vs the single-device kernel on %lld query + %lld key "
-        "rows (",
+        "rows (%s): PASS (tolerance %.0e)\n",
         "check", r.check->max_rel_err, static_cast<long long>(r.check->q_rows),
-        static_cast<long long>(r.check->kv_rows));
-    for (size_t i = 0; i < r.check->errors.size(); ++i) {
-      std::printf("%s%s %.1e", i ? ", " : "", r.check->errors[i].first.c_str(),
-                  r.check->errors[i].second);
-    }
-    std::printf("): PASS (tolerance %.0e)\n", tol);
+        static_cast<long long>(r.check->kv_rows), ErrorList(r).c_str(), tol);
   }
 }
 
@@ -125,18 +133,10 @@ int RunDemo(const DemoArgs& a) {
   if (!pass) {
     // Like every failure (docs/CLI.md): nothing on stdout, one line on
     // stderr, which carries each tensor's error instead of the table.
-    std::string errors;
-    if (r.check) {
-      for (const auto& [name, err] : r.check->errors) {
-        char buf[64];
-        std::snprintf(buf, sizeof(buf), "%s%s %.1e", errors.empty() ? "" : ", ", name.c_str(), err);
-        errors += buf;
-      }
-    }
     std::fprintf(stderr,
                  "ringsplash demo: check failed: max rel err %.3g (%s) vs the single-device kernel "
                  "exceeds the tolerance %.0e\n",
-                 r.check ? r.check->max_rel_err : NAN, errors.c_str(), tol);
+                 r.check ? r.check->max_rel_err : NAN, ErrorList(r).c_str(), tol);
     return kExitFailure;
   }
   if (a.json) {

@@ -63,13 +63,11 @@ int Run(int argc, char** argv) {
   CLI::App* demo = ringsplash::cli::AddDemoCommand(app, demo_args);
 
   // CLI11 would say only "The following argument was not expected".
-  if (argc > 1 && argv[1][0] != '-') {
-    const std::string first = argv[1];
-    if (first != "attend" && first != "bench" && first != "demo") {
-      PrintError("ringsplash", "unknown subcommand '" + first +
-                                   "' (expected demo, attend or bench; see ringsplash --help)");
-      return kExitUsage;
-    }
+  const auto named = [&](CLI::App* sub) { return sub->check_name(argv[1]); };
+  if (argc > 1 && argv[1][0] != '-' && app.get_subcommands(named).empty()) {
+    PrintError("ringsplash", std::string("unknown subcommand '") + argv[1] +
+                                 "' (expected demo, attend or bench; see ringsplash --help)");
+    return kExitUsage;
   }
   try {
     app.parse(argc, argv);

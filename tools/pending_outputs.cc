@@ -50,16 +50,19 @@ void OnSignal(int sig) {
   std::raise(sig);
 }
 
-// `command` null: silent (the messages stay empty).
+// Installs the handlers once; `command` (if not null) sets the line they
+// print, whether or not an output was tracked first.
 void InstallHandlers(const char* command) {
-  if (g_handlers_installed.exchange(true)) return;
-  // On a terminal a progress line may be showing (progress.h): clear it first.
-  const char* clear = ::isatty(STDERR_FILENO) == 1 ? "\r\033[K" : "";
-  for (size_t i = 0; i < std::size(kSignals) && command != nullptr; ++i) {
-    std::snprintf(g_messages[i], kMaxMessage, "%s%s: interrupted by %s\n", clear, command,
-                  kSignalNames[i]);
-    g_message_sizes[i] = std::strlen(g_messages[i]);
+  if (command != nullptr) {
+    // On a terminal a progress line may be showing (progress.h): clear it.
+    const char* clear = ::isatty(STDERR_FILENO) == 1 ? "\r\033[K" : "";
+    for (size_t i = 0; i < std::size(kSignals); ++i) {
+      std::snprintf(g_messages[i], kMaxMessage, "%s%s: interrupted by %s\n", clear, command,
+                    kSignalNames[i]);
+      g_message_sizes[i] = std::strlen(g_messages[i]);
+    }
   }
+  if (g_handlers_installed.exchange(true)) return;
   for (int sig : kSignals) std::signal(sig, OnSignal);
 }
 

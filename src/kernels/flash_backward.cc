@@ -24,10 +24,11 @@
 //   one pass: tasks (batch, kv head, part) walk groups of up to four kv
 //     blocks (KvBlocks), then the part's heads, then q blocks, each q tile
 //     serving the group's kv tiles in kvb order, with the part's dQ tiles in
-//     a per-task scratch; each tile computed once. Part 0 adds its dK/dV tiles to the accumulators
-//     as it goes; later parts keep theirs in per-part buffers, added in part
-//     order once every task is done (with one worker, which runs the parts
-//     in order, they add theirs as they go too);
+//     a per-task scratch; each tile computed once. Part 0 adds its dK/dV
+//     tiles to the accumulators as it goes; later parts keep theirs in
+//     per-part buffers, added in part order once every task is done (with
+//     one worker, which runs the parts in order, they add theirs as they go
+//     too);
 //   two passes (when there are still too few tasks to keep the threads
 //     busy): tasks (batch, kv head, kvb) for dK/dV, then tasks (batch, head,
 //     q block) for dQ, recomputing P^T and dS^T with the same kernel on the
