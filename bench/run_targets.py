@@ -301,7 +301,10 @@ def main():
     cpu = cpu_name()
     os.makedirs(os.path.dirname(a.out), exist_ok=True)
     failures = 0
-    with open(a.out, "w") as out:
+    # Rows go to a temporary file as they finish (a crash leaves the old
+    # table whole); with --only, the old table's other rows are kept.
+    partial = a.out + ".partial"
+    with open(partial, "w") as out:
         for name in names:
             load = os.getloadavg()[0]
             try:
@@ -320,7 +323,27 @@ def main():
                   f"{result.get('target', '')}  "
                   f"{'INFO' if result.get('target') == 'informational' else 'PASS' if result['pass'] else 'MISS'}"
                   f"  (load {load:.2f})", flush=True)
+    merge_rows(a.out, partial, keep_others=bool(a.only))
     return 1 if failures else 0
+
+
+def merge_rows(path, partial, keep_others):
+    """Moves the new rows in `partial` to `path`. With keep_others, `path`'s
+    rows of other cases stay, in their places; a re-run case's row takes the
+    place of its old one (new cases go at the end)."""
+    with open(partial) as f:
+        new = [json.loads(line) for line in f if line.strip()]
+    rows = []
+    if keep_others and os.path.exists(path):
+        with open(path) as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+    by_case = {r["case"]: r for r in new}
+    merged = [by_case.pop(r["case"], r) for r in rows]
+    merged += [r for r in new if r["case"] in by_case]
+    with open(partial, "w") as f:
+        for r in merged:
+            f.write(json.dumps(r) + "\n")
+    os.replace(partial, path)
 
 
 if __name__ == "__main__":

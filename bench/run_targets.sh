@@ -2,7 +2,8 @@
 # Runs the performance targets (docs/PERFORMANCE.md) and writes one JSON line
 # per case to docs/perf/targets.jsonl. Needs a Release build (scripts/setup.sh);
 # RINGSPLASH=path/to/ringsplash picks another binary. Extra arguments go to
-# bench/run_targets.py (--only fwd_f32,causal | --quick | --out FILE).
+# bench/run_targets.py (--only fwd_f32,causal | --quick | --out FILE); with
+# --only, the other rows already in the output file are kept.
 # Takes ~10 minutes on 2 cores: run it when the machine is otherwise idle
 # (`uptime`), since every case is a wall-clock measurement.
 set -euo pipefail

@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
+#include <new>
 #include <numeric>
 #include <string>
 #include <thread>
@@ -100,6 +101,22 @@ TEST(CommTest, RejectsBadArguments) {
   CommOptions bad;
   bad.timeout_s = 0;
   EXPECT_THROW(RunThreadRanks(2, bad, [](Communicator&) {}), Error);
+}
+
+// A rank that runs out of memory says so: std::bad_alloc's own what() is
+// only "std::bad_alloc".
+TEST(CommTest, OutOfMemoryOnARankIsNamed) {
+  try {
+    RunThreadRanks(3, CommOptions{}, [](Communicator& comm) {
+      if (comm.rank() == 1) throw std::bad_alloc();
+      comm.Barrier();
+    });
+    FAIL() << "no Error thrown";
+  } catch (const Error& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("rank 1"), std::string::npos) << what;
+    EXPECT_NE(what.find("out of memory"), std::string::npos) << what;
+  }
 }
 
 // Null buffers with a non-zero size are argument errors naming the call and

@@ -254,12 +254,12 @@ void RunAttendMpi(const AttendArgs& args, const AttendPlan& plan) {
   try {
     RunAttendMpiRank(*comm, args, plan, ring_started);
   } catch (const std::exception& e) {
-    comm->Abort(e.what());
+    comm->Abort(FailureReason(e));
     // Before the ring every rank checks the same things and fails alike:
     // rank 0 alone reports. Later a failure may be local to one rank.
     if (comm->rank() == 0) throw;
     if (!ring_started) throw SilentFailure();
-    Fail("rank ", comm->rank(), ": ", e.what());
+    Fail("rank ", comm->rank(), ": ", FailureReason(e));
   }
 }
 

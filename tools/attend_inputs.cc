@@ -94,10 +94,7 @@ AttendPlan CheckArgs(const AttendArgs& args) {
   if (args.ranks && (*args.ranks < 1 || *args.ranks > 4096)) {
     Usage("--ranks: expected 1 to 4096, got ", *args.ranks);
   }
-  if (args.threads_per_rank < 0) {
-    Usage("--threads-per-rank: expected >= 1 (or 0 for cores / ranks), got ",
-          args.threads_per_rank);
-  }
+  CheckThreadsPerRank(args.threads_per_rank);
   if (!(std::isfinite(args.comm_timeout) && args.comm_timeout > 0)) {
     Usage("--comm-timeout: expected a number of seconds > 0, got ", args.comm_timeout);
   }
@@ -136,6 +133,23 @@ AttendPlan CheckArgs(const AttendArgs& args) {
       }
       Usage(first_flag, " and ", flag, " name the same file ('", *first_path, "' and '", *path,
             "')");
+    }
+  }
+  // An output written over an input would replace the user's data (after it
+  // was read: outputs are renamed into place at the end).
+  const std::pair<const char*, const std::string*> ins[] = {{"--q", &args.q},
+                                                            {"--k", &args.k},
+                                                            {"--v", &args.v},
+                                                            {"--dout", &args.dout},
+                                                            {"--sinks", &args.sinks},
+                                                            {"--dense-mask", &args.dense_mask},
+                                                            {"--q-segments", &args.q_segments},
+                                                            {"--kv-segments", &args.kv_segments}};
+  for (const auto& [flag, path] : outs) {
+    if (path->empty()) continue;
+    for (const auto& [in_flag, in_path] : ins) {
+      if (in_path->empty() || OutputEntry(*in_path) != OutputEntry(*path)) continue;
+      Usage(flag, " '", *path, "' would overwrite the input ", in_flag, " '", *in_path, "'");
     }
   }
   return plan;
@@ -192,6 +206,14 @@ AttendFiles OpenInputs(const AttendArgs& args, const AttendPlan& plan) {
     ExpectRank(f.sinks, 1, "[H]");
     ExpectFloat(f.sinks, "sinks");
     ExpectDim(f.sinks, 0, d.h, "H", args.q);
+    // [H] values, read once here so that a bad one names the file (the
+    // library would say only "sinks[h]", and from inside a rank).
+    const Tensor sinks = f.sinks.Load(DType::kF32, "sinks");
+    for (int64_t h = 0; h < d.h; ++h) {
+      const float s = sinks.data_as<float>()[h];
+      Check(std::isfinite(s), args.sinks, ": sinks[", h, "] is ", s,
+            "; sink logits must be finite");
+    }
   }
   f.q_segments = OpenIf(args.q_segments);
   f.kv_segments = OpenIf(args.kv_segments);

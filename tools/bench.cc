@@ -107,9 +107,7 @@ BenchConfig ResolveConfig(const BenchArgs& a, int64_t seq, int world) {
       }
     }
   }
-  if (a.threads_per_rank < 0) {
-    Usage("--threads-per-rank: expected >= 1 (or 0 for cores / ranks), got ", a.threads_per_rank);
-  }
+  CheckThreadsPerRank(a.threads_per_rank);
   c.threads_per_rank = a.threads_per_rank != 0
                            ? a.threads_per_rank
                            : DefaultThreadsPerRank(c.mpi ? LocalRanks(c.ranks) : c.ranks);
@@ -124,7 +122,12 @@ BenchConfig ResolveConfig(const BenchArgs& a, int64_t seq, int world) {
   CheckBlock(a.block_kv, "--block-kv");
   c.blocks.q = a.block_q;
   c.blocks.kv = a.block_kv;
-  c.seed = a.seed;
+  // Seeds above 2^53 would not survive the JSON line (a double) exactly.
+  constexpr int64_t kMaxSeed = (int64_t{1} << 53) - 1;
+  if (a.seed < 0 || a.seed > kMaxSeed) {
+    Usage("--seed: expected 0 to ", kMaxSeed, " (2^53 - 1), got ", a.seed);
+  }
+  c.seed = static_cast<uint64_t>(a.seed);
   if (!(std::isfinite(a.comm_timeout) && a.comm_timeout > 0)) {
     Usage("--comm-timeout: expected a number of seconds > 0, got ", a.comm_timeout);
   }
@@ -260,7 +263,7 @@ int RunBench(const BenchArgs& args) {
         if (root) std::cout << ToJson(r).dump() << std::endl;
       }
     } catch (const std::exception& e) {
-      comm->Abort(e.what());
+      comm->Abort(FailureReason(e));
       if (!root) throw SilentFailure();
       throw;
     }

@@ -39,7 +39,7 @@ struct BenchArgs {
   int64_t check_rows = 64;
   int64_t block_q = 128;
   int64_t block_kv = 128;
-  uint64_t seed = 0;
+  int64_t seed = 0;  // 0 .. 2^53 - 1 (so that a JSON number holds it exactly)
   double comm_timeout = 60;
 };
 

@@ -32,6 +32,13 @@ std::vector<double> AllGather(Communicator& comm, double value) {
   return out;
 }
 
+void CheckThreadsPerRank(int threads_per_rank) {
+  if (threads_per_rank < 0 || threads_per_rank > kMaxThreads) {
+    Usage("--threads-per-rank: expected 1 to ", kMaxThreads, " (or 0 for cores / ranks), got ",
+          threads_per_rank);
+  }
+}
+
 void SumInto(Communicator& comm, std::vector<float>& data) {
   if (comm.size() > 1 && !data.empty()) comm.AllReduceSum(data.data(), data.size());
 }

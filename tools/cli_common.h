@@ -10,6 +10,7 @@
 #include <utility>
 #include <vector>
 
+#include "ringsplash/attention.h"
 #include "ringsplash/comm.h"
 #include "ringsplash/tensor.h"
 
@@ -36,10 +37,13 @@ template <typename... Args>
   throw UsageError(os.str());
 }
 
-// The largest head dim D (and Dv) the kernels take (the library checks it
-// too, src/kernels/validate.cc); the CLI checks it first so that the error
-// names the flag or the file rather than the library's argument.
-constexpr int64_t kMaxHeadDim = 256;
+// The CLI checks the library's limits (kMaxHeadDim, kMaxThreads in
+// ringsplash/attention.h) itself first, so that the error names the flag or
+// the file rather than the library's argument.
+
+// --threads-per-rank: 1..kMaxThreads, or 0 for the default (cores / ranks);
+// a usage error otherwise.
+void CheckThreadsPerRank(int threads_per_rank);
 
 // Checks the environment variables the library reads, before any rank
 // starts, so that a bad value is one usage error naming the variable rather

@@ -33,6 +33,13 @@ struct BlockSizes {
   int64_t kv = 128;
 };
 
+// Limits the API checks (an Error beyond them): the largest head dim D and Dv
+// the kernels take, and the most threads a call may ask for (each a real
+// thread with its own scratch: far more than any machine's cores is a
+// mistake, e.g. a byte count, not a request).
+inline constexpr int64_t kMaxHeadDim = 256;
+inline constexpr int kMaxThreads = 1024;
+
 // Micro-kernel implementations. kAuto picks the fastest this CPU supports; the
 // environment variable RINGSPLASH_KERNEL=portable|avx2|avx512|avx512_bf16|amx
 // overrides kAuto (tests use the option directly). Forcing an unsupported path

@@ -5,6 +5,8 @@
 #ifndef RINGSPLASH_ERROR_H_
 #define RINGSPLASH_ERROR_H_
 
+#include <exception>
+#include <new>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -29,6 +31,14 @@ template <typename... Args>
 template <typename... Args>
 void Check(bool condition, Args&&... args) {
   if (!condition) Fail(std::forward<Args>(args)...);
+}
+
+// What a failed rank tells its peers about exception `e`: e.what(), except
+// that std::bad_alloc (whose what() is only "std::bad_alloc") says that
+// memory ran out.
+inline std::string FailureReason(const std::exception& e) {
+  if (dynamic_cast<const std::bad_alloc*>(&e) != nullptr) return "out of memory (std::bad_alloc)";
+  return e.what();
 }
 
 }  // namespace ringsplash

@@ -29,6 +29,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <condition_variable>
 #include <cstdlib>
 #include <cstring>
@@ -77,12 +78,17 @@ std::string ThreadLevelName(int level) {
   return std::to_string(level);
 }
 
-double EnvDouble(const char* name, double fallback) {
+// The value of environment variable `name`, a finite number > 0; `fallback`
+// if unset or empty. Anything else is an Error naming the variable (a typo
+// must not silently fall back).
+double EnvPositive(const char* name, double fallback) {
   const char* v = std::getenv(name);
   if (v == nullptr || *v == '\0') return fallback;
   char* end = nullptr;
   const double x = std::strtod(v, &end);
-  return (end != v && x > 0) ? x : fallback;
+  Check(end != v && *end == '\0' && std::isfinite(x) && x > 0, name,
+        ": expected a number > 0 (microseconds), got '", v, "'");
+  return x;
 }
 
 enum class OpKind { kShift, kAllReduce, kBarrier };
@@ -207,9 +213,13 @@ class Runtime {
   void Start(double timeout_s) {
     timeout_s_ = timeout_s;
     poll_interval_ = std::chrono::duration_cast<Clock::duration>(
-        std::chrono::duration<double>(EnvDouble("RINGSPLASH_MPI_POLL_US", 50) * 1e-6));
+        std::chrono::duration<double>(EnvPositive("RINGSPLASH_MPI_POLL_US", 50) * 1e-6));
     const char* mode = std::getenv("RINGSPLASH_MPI_PROGRESS");
-    progress_in_wait_only_ = mode != nullptr && std::string(mode) == "wait";
+    const std::string mode_text = mode == nullptr ? "" : mode;
+    Check(mode_text.empty() || mode_text == "wait",
+          "RINGSPLASH_MPI_PROGRESS: expected 'wait' (or unset: the progress thread), got '",
+          mode_text, "'");
+    progress_in_wait_only_ = mode_text == "wait";
     thread_ = std::thread([this] { ThreadMain(); });
     std::unique_lock<std::mutex> lock(mu_);
     const bool ready = cv_.wait_until(lock, DeadlineAfter(timeout_s),

@@ -355,7 +355,7 @@ void RunThreadRanks(int num_ranks, const CommOptions& options,
       try {
         fn(comm);
       } catch (const std::exception& e) {
-        world.Abort(r, e.what());
+        world.Abort(r, FailureReason(e));
       } catch (...) {
         world.Abort(r, "unknown exception");
       }

@@ -18,11 +18,6 @@ namespace kernels {
 
 namespace {
 
-constexpr int64_t kMaxHeadDim = 256;
-// Each thread of a call is a real std::thread with its own scratch; far more
-// than any machine's cores is a mistake (e.g. a byte count), not a request.
-constexpr int kMaxThreads = 1024;
-
 bool IsFloatLike(DType d) { return d == DType::kF32 || d == DType::kBF16 || d == DType::kF16; }
 
 // Common to every tensor argument: non-null data, `ndim` dims, positive

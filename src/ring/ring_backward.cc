@@ -224,7 +224,7 @@ void RingAttentionBackward(Communicator& comm, const AttentionInputs& local,
   } catch (const ring_internal::RanksDisagree&) {
     throw;  // every rank threw it after the same collective: nothing to abort
   } catch (const std::exception& e) {
-    comm.Abort(e.what());
+    comm.Abort(FailureReason(e));
     throw;
   }
 }

@@ -182,7 +182,7 @@ void RingAttentionForward(Communicator& comm, const AttentionInputs& local,
   } catch (const std::exception& e) {
     // Peers must not wait for a rank that gave up (no-op if a peer failed
     // first or the fault injection already aborted).
-    comm.Abort(e.what());
+    comm.Abort(FailureReason(e));
     throw;
   }
 }

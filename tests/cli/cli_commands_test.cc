@@ -222,5 +222,47 @@ TEST(Cli, BenchUnderMpi) {
 #endif
 }
 
+// The MPI backend's tuning variables are checked, not ignored when
+// malformed: every rank fails with a line naming the variable.
+TEST(Cli, BadMpiTuningVariableIsAnError) {
+#ifndef RINGSPLASH_MPIEXEC
+  GTEST_SKIP() << "built without MPI";
+#else
+  setenv("OMPI_ALLOW_RUN_AS_ROOT", "1", 1);
+  setenv("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1", 1);
+  const std::pair<const char*, const char*> bad[] = {{"RINGSPLASH_MPI_POLL_US", "fast"},
+                                                     {"RINGSPLASH_MPI_POLL_US", "-5"},
+                                                     {"RINGSPLASH_MPI_PROGRESS", "sometimes"}};
+  for (const auto& [name, value] : bad) {
+    SCOPED_TRACE(std::string(name) + "=" + value);
+    const CommandResult r = RunCommand({"env",
+                                        std::string(name) + "=" + value,
+                                        RINGSPLASH_MPIEXEC,
+                                        "--oversubscribe",
+                                        "-np",
+                                        "2",
+                                        RINGSPLASH_CLI,
+                                        "bench",
+                                        "--backend",
+                                        "mpi",
+                                        "--seq",
+                                        "64",
+                                        "--heads",
+                                        "1",
+                                        "--head-dim",
+                                        "16",
+                                        "--iters",
+                                        "1",
+                                        "--warmup",
+                                        "0"},
+                                       180);
+    EXPECT_NE(r.status, 0);
+    EXPECT_NE(r.err.find(std::string(name) + ": expected"), std::string::npos) << r.err;
+    EXPECT_NE(r.err.find(value), std::string::npos) << r.err;
+    EXPECT_EQ(r.out, "");
+  }
+#endif
+}
+
 }  // namespace
 }  // namespace ringsplash::testing

@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -42,8 +43,10 @@ class Files {
     I32("qs.npy", {1, 16});
     I32("ks.npy", {1, 16});
   }
-  void F32(const std::string& name, std::vector<int64_t> shape) const {
+  // 0.25 everywhere, except `last` in the last element.
+  void F32(const std::string& name, std::vector<int64_t> shape, float last = 0.25f) const {
     std::vector<float> data(static_cast<size_t>(Numel(shape)), 0.25f);
+    if (!data.empty()) data.back() = last;
     npy::WriteNpy(dir_ / name, npy::NpyType::kF32, shape, data.data());
   }
   void I32(const std::string& name, std::vector<int64_t> shape) const {
@@ -147,6 +150,9 @@ std::vector<BadCase> Cases() {
        Attend({"--dout", "@dout.npy", "--dq", "@dq.npy"}), 1, "dout.npy: dim 3 (Dv) is 7"},
       {"sinks_shape", [](const Files& f) { f.F32("sinks.npy", {5}); },
        Attend({"--sinks", "@sinks.npy"}), 1, "sinks.npy: dim 0 (H) is 5"},
+      {"sinks_nan", [](const Files& f) { f.F32("sinks.npy", {4}, NAN); },
+       Attend({"--sinks", "@sinks.npy", "--ranks", "2"}), 1,
+       "sinks.npy: sinks[3] is nan; sink logits must be finite"},
       {"segments_float",
        [](const Files& f) {
          f.F32("qs.npy", {1, 16});
@@ -220,6 +226,15 @@ std::vector<BadCase> Cases() {
       {"same_output_dot_dot", [](const Files& f) { f.Dir("sub"); },
        Attend({"--dout", "@dout.npy", "--dq", "@sub/../lse.npy"}), 2,
        "--lse and --dq name the same file"},
+      // An output naming an input (however spelt) would replace the input.
+      {"output_over_input",
+       nullptr,
+       {"attend", "--q", "@q.npy", "--k", "@k.npy", "--v", "@v.npy", "--out", "@./q.npy"},
+       2,
+       "would overwrite the input --q"},
+      {"gradient_over_dout", [](const Files& f) { f.Dir("sub"); },
+       Attend({"--dout", "@dout.npy", "--dq", "@sub/../dout.npy"}), 2,
+       "would overwrite the input --dout"},
       // D, Dv above the kernels' limit: named by file, like other shape errors.
       {"head_dim_above_limit",
        [](const Files& f) {
@@ -239,6 +254,8 @@ std::vector<BadCase> Cases() {
       {"zero_ranks", nullptr, Attend({"--ranks", "0"}), 2, "--ranks: expected 1 to 4096, got 0"},
       {"ranks_text", nullptr, Attend({"--ranks", "four"}), 2, "--ranks"},
       {"negative_threads", nullptr, Attend({"--threads-per-rank", "-2"}), 2, "--threads-per-rank"},
+      {"too_many_threads", nullptr, Attend({"--threads-per-rank", "1025"}), 2,
+       "--threads-per-rank: expected 1 to 1024 (or 0 for cores / ranks), got 1025"},
       {"zero_timeout", nullptr, Attend({"--comm-timeout", "0"}), 2, "--comm-timeout"},
       {"unknown_subcommand",
        nullptr,
@@ -290,7 +307,18 @@ std::vector<BadCase> Cases() {
        nullptr,
        {"bench", "--threads-per-rank", "-1"},
        2,
-       "--threads-per-rank: expected >= 1 (or 0 for cores / ranks)"},
+       "--threads-per-rank: expected 1 to 1024 (or 0 for cores / ranks), got -1"},
+      {"demo_threads",
+       nullptr,
+       {"demo", "--threads-per-rank", "5000"},
+       2,
+       "--threads-per-rank: expected 1 to 1024"},
+      {"bench_negative_seed",
+       nullptr,
+       {"bench", "--seed", "-1"},
+       2,
+       "--seed: expected 0 to 9007199254740991 (2^53 - 1), got -1"},
+      {"bench_huge_seed", nullptr, {"bench", "--seed", "9007199254740992"}, 2, "--seed"},
       {"demo_ranks", nullptr, {"demo", "--ranks", "0"}, 2, "--ranks"},
       {"demo_bad_seq", nullptr, {"demo", "--seq", "100"}, 2, "does not divide by 8"},
       // Environment variables: checked before any rank starts, so the line
