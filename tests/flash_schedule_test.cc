@@ -335,7 +335,8 @@ TEST(FlashTest, KvSplitsMatchReferenceOnAnyThreadCount) {
   const std::vector<Case> cases = {
       {{1, 1, 600, 2, 2, 32, 32}, Mask::Causal(), 4},                        // 38 tiles, 2 tasks
       {{1, 3, 300, 4, 1, 16, 24}, Mask::Causal() & Mask::Local(150, 0), 2},  // stacked: 1 task
-      {{2, 2, 1100, 4, 2, 16, 16}, Mask::Causal(), 4},  // stacked, segments: 4 tasks
+      // Stacked, segments: 2 items (both heads of a batch element together).
+      {{2, 2, 1100, 4, 2, 16, 16}, Mask::Causal(), 8},
       // Two runs of tiles per row (far past, recent window): some ranges
       // start past a run's end or inside the gap.
       {{1, 2, 1100, 2, 2, 16, 16}, Mask::Causal(-250) | Mask::Local(40, 0), 8},
@@ -382,6 +383,67 @@ TEST(FlashTest, KvSplitsMatchReferenceOnAnyThreadCount) {
         ASSERT_TRUE(kernels::FlashForwardBf16Out(p, pool, direct, lse.data(), nullptr));
         for (size_t i = 0; i < n; ++i) ASSERT_EQ(bf[i], F32ToBF16(r1.out[i])) << i;
         EXPECT_EQ(std::memcmp(lse.data(), r1.lse.data(), lse.size() * sizeof(float)), 0);
+      }
+    }
+  }
+}
+
+// Decoding-shaped calls take the query heads of a work item together, kv
+// tile by kv tile (ForwardHeadsTogether): more heads than one item takes,
+// heads of one kv group sharing a fetched tile (a per-head mask keeps them
+// unstacked), windows and packed documents that leave heads' walks with
+// different tiles. Against the reference on every path and dtype, bitwise
+// the same on 1 to 3 threads.
+TEST(FlashTest, HeadsTogetherMatchReferenceOnAnyThreadCount) {
+  struct Case {
+    Shape shape;
+    Mask mask;
+    int64_t together;  // ForwardHeadsTogether of the (stacked) problem
+    int64_t splits;
+  };
+  const std::vector<Case> cases = {
+      // 40 heads: items of 32 and 8; 44 tiles of 16 keys.
+      {{1, 1, 700, 40, 40, 16, 16}, Mask::Causal(), 32, 5},
+      {{2, 3, 300, 6, 6, 32, 24}, Mask::Causal() & Mask::Local(50, 0), 6, 2},
+      {{1, 2, 200, 4, 2, 16, 16},
+       Mask::PerHead({Mask::Causal(), Mask::Full(), Mask::Local(30, 0), Mask::Causal(-100)}),
+       4,
+       1},
+      // Stacked GQA: 2 kv heads x 4 query heads x 2 rows = 8 rows per head.
+      {{1, 2, 260, 8, 2, 16, 16}, Mask::Causal(), 2, 2},
+      // Not decoding-shaped: 17 rows per head, or one head.
+      {{1, 17, 200, 4, 4, 16, 16}, Mask::Causal(), 1, 1},
+      {{1, 1, 200, 1, 1, 16, 16}, Mask::Causal(), 1, 1},
+  };
+  uint64_t seed = 1400;
+  for (const Case& c : cases) {
+    for (KernelPath path : SupportedKernelPaths()) {
+      for (DType dtype : {DType::kF32, DType::kBF16}) {
+        RunConfig s;
+        s.path = path;
+        s.mask = c.mask;
+        s.blocks = {16, 16};
+        const bool segments = c.shape.b == 2;
+        CheckAgainstReference(c.shape, dtype, s, segments, ++seed, /*backward=*/false,
+                              /*q_offset=*/c.shape.skv - c.shape.sq);
+        Problem prob(seed, SpecOf(c.shape, dtype, segments));
+        FlashParams p = prob.Params(s);
+        kernels::Geometry g = kernels::Geometry::Of(p);
+        if (kernels::StackedHeads::Applies(p)) {
+          g.h = g.hkv;
+          g.sq *= c.shape.h / c.shape.hkv;
+          g.nqb = (g.sq + g.bq - 1) / g.bq;
+          g.group = 1;
+        }
+        EXPECT_EQ(kernels::ForwardHeadsTogether(g), c.together);
+        EXPECT_EQ(kernels::ForwardKvSplits(g), c.splits);
+        s.threads = 1;
+        const Result r1 = prob.Run(s, false);
+        for (int threads : {2, 3}) {
+          s.threads = threads;
+          EXPECT_TRUE(BitwiseEqual(r1, prob.Run(s, false)))
+              << KernelPathName(path) << " " << DTypeName(dtype) << " heads " << c.shape.h;
+        }
       }
     }
   }

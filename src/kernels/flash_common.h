@@ -273,8 +273,21 @@ T* Grow(AlignedBuffer<T>& buf, int64_t n) {
 // decoding — one per thread would leave cores idle while each walks the
 // whole of K and V. At least 16 items where the tiles allow (fewer than 32),
 // ranges of at least 8 tiles; a function of the shapes only, so results stay
-// independent of the thread count.
+// independent of the thread count. Counted in work items: with heads taken
+// together (ForwardHeadsTogether), one item per (batch, group of heads).
 int64_t ForwardKvSplits(const Geometry& g);
+
+// How many query heads one forward work item takes together, tile by tile:
+// decoding-shaped calls (one q block of at most one vector of rows per head,
+// several heads, as after stacking) walk every head's K/V rows of a kv tile
+// before the next tile, so the rows of all heads — in [B, S, Hkv, D] one
+// contiguous span per token — are read in one sweep. One head at a time
+// read 512 of every 16 KiB (MHA, H = 32, D = 128) across the whole cache,
+// at about half the memory bandwidth. 1 (one head per item) otherwise. At
+// most kMaxHeadsTogether, which bounds the per-thread state (a Q^T tile and
+// an accumulator per head).
+inline constexpr int64_t kMaxHeadsTogether = 32;
+int64_t ForwardHeadsTogether(const Geometry& g);
 
 // Into how many parts FlashBackward splits each kv head's group of query
 // heads: 1 when there are at least 16 (batch, kv head) pairs, else the

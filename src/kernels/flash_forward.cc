@@ -6,7 +6,9 @@
 // whose rows are finished straight into their places (OutRows, Place).
 // Tasks are (batch, query head, q block) — split further into ranges of kv
 // tiles when there are few (ForwardKvSplits: partial results merged in range
-// order); each packs its Q block once as Q^T
+// order), and in decoding-shaped calls taking up to kMaxHeadsTogether heads
+// tile by tile (ForwardHeadsTogether: all heads' K/V rows read in one
+// sweep); each packs its Q block once as Q^T
 // (lanes = queries) and walks the non-empty kv tiles of its block-map row in
 // the transposed layout of micro.h:
 //   P^T = softmax step of (K Q^T)^T   (fused, lazily rescaled: ForwardTileFn)
@@ -265,6 +267,7 @@ class ForwardCall {
         lse_(lse),
         pool_(pool),
         wstats_(static_cast<size_t>(pool.size())),
+        heads_together_(ForwardHeadsTogether(g)),
         splits_(ForwardKvSplits(g)) {
     if (splits_ > 1) {
       part_out_.resize(static_cast<size_t>(splits_ * g.b * g.sq * g.h * g.dv));
@@ -279,6 +282,17 @@ class ForwardCall {
   // order). Items stay small enough for dynamic balancing (>= 8 per worker
   // with tile copies, >= 16 without).
   void Run(KernelStats* stats) {
+    if (heads_together_ > 1) {
+      const int64_t chunks = (g_.h + heads_together_ - 1) / heads_together_;
+      pool_.ParallelFor(g_.b * chunks * splits_, [&](int64_t item, int worker) {
+        const int64_t split = item % splits_, chunk = (item / splits_) % chunks;
+        const int64_t h0 = chunk * heads_together_;
+        Heads(item / (splits_ * chunks), h0, std::min(h0 + heads_together_, g_.h), split, worker);
+      });
+      if (splits_ > 1) MergeSplits();
+      AddStats(wstats_, stats);
+      return;
+    }
     const auto workers = static_cast<int64_t>(pool_.size());
     const int64_t tasks = g_.b * g_.h * g_.nqb;
     const int64_t chunk = kv_.tile_cache() ? std::clamp<int64_t>(tasks / (8 * workers), 1, 32)
@@ -357,6 +371,69 @@ class ForwardCall {
                    /*stream=*/false, part, part_lse_.data() + split * g_.b * g_.h * g_.sq);
       } else {
         FinishRows(g_, b, h, qb0 + i, g_.QRows(qb0 + i), ws.blocks[i], merge_, stream_, out_, lse_);
+      }
+    }
+    if (stream_) StreamFence();
+  }
+
+  // Heads [h0, h1) of batch b, each with its one q block (decoding-shaped
+  // calls: ForwardHeadsTogether), kv tile by kv tile: every head's part of
+  // a tile before the next tile, so the K/V rows of all the heads are read
+  // in one sweep. Each head still meets its own tiles in ascending order,
+  // as in Group. With kv splits, only the tiles of range `split`.
+  void Heads(int64_t b, int64_t h0, int64_t h1, int64_t split, int worker) {
+    Workspace& ws = Workspace::ForThisThread(g_, bf16_, bf16_pv_);
+    thread_local std::vector<BlockState> states;
+    thread_local std::vector<Walk> walks;
+    const int64_t n = h1 - h0, m = g_.QRows(0);
+    if (static_cast<int64_t>(states.size()) < n) states.resize(static_cast<size_t>(n));
+    if (static_cast<int64_t>(walks.size()) < n) walks.resize(static_cast<size_t>(n));
+    WorkerStats& st = wstats_[static_cast<size_t>(worker)];
+    const int64_t kv_lo = split * g_.nkvb / splits_, kv_hi = (split + 1) * g_.nkvb / splits_;
+    for (int64_t i = 0; i < n; ++i) {
+      BlockState& s = states[static_cast<size_t>(i)];
+      const int64_t d2 = RoundUp(g_.d, 2);
+      bf16_ ? (void)Grow(s.qt_bf16, d2 * g_.ld_q) : (void)Grow(s.qt, g_.d * g_.ld_q);
+      Grow(s.acc, m * g_.ld_dv);  // only the block's m rows
+      Grow(s.row_max, g_.ld_q);
+      Grow(s.row_sum, g_.ld_q);
+      Grow(s.alpha, g_.ld_q);
+      Begin(ws, b, h0 + i, 0, kv_lo, s, walks[static_cast<size_t>(i)]);
+    }
+    for (int64_t kvb = kv_lo; kvb < kv_hi; ++kvb) {
+      int64_t fetched_kh = -1;  // heads of one group share their kv head's tile
+      KvTile kvt{};
+      for (int64_t i = 0; i < n; ++i) {
+        Walk& w = walks[static_cast<size_t>(i)];
+        if (w.next != kvb) continue;
+        const int64_t h = h0 + i, kh = h / g_.group;
+        const mask::BlockRun& run = w.runs[w.run_at];
+        Advance(w, kvb);
+        const BlockKind kind = plan_.Refine(run.kind, b, 0, kvb);
+        if (kind == BlockKind::kEmpty) continue;
+        if (kh != fetched_kh) {
+          fetched_kh = kh;
+          kvt = Fetch(ws, b, kh, kvb);
+          if (bf16_pv_) PackValuePairs(ws, kvt, b, kh, kvb);
+        }
+        Tile(ws, b, h, 0, kvb, run.kind, kind, kvt, states[static_cast<size_t>(i)], w);
+        (kind == BlockKind::kFull ? st.full : st.partial) += 1;
+        st.flops += 2 * m * g_.KvRows(kvb) * (g_.d + g_.dv);
+      }
+    }
+    for (int64_t i = 0; i < n; ++i) {
+      const Walk& w = walks[static_cast<size_t>(i)];
+      BlockState& s = states[static_cast<size_t>(i)];
+      st.computed += w.computed;
+      st.skipped += (kv_hi - kv_lo) - w.computed;
+      if (splits_ > 1) {
+        const OutRows part{.f32 = part_out_.data() + split * g_.b * g_.sq * g_.h * g_.dv,
+                           .bf16 = {},
+                           .overflow = nullptr};
+        FinishRows(g_, b, h0 + i, 0, m, s, /*merge=*/false, /*stream=*/false, part,
+                   part_lse_.data() + split * g_.b * g_.h * g_.sq);
+      } else {
+        FinishRows(g_, b, h0 + i, 0, m, s, merge_, stream_, out_, lse_);
       }
     }
     if (stream_) StreamFence();
@@ -529,6 +606,7 @@ class ForwardCall {
   float* lse_;
   ThreadPool& pool_;
   std::vector<WorkerStats> wstats_;
+  const int64_t heads_together_;  // ForwardHeadsTogether; 1: work items of one head
   // kv splits (ForwardKvSplits): range c holds kv tiles [c nkvb / splits_,
   // (c + 1) nkvb / splits_); with more than one, the partial results
   // [split][B, Sq, H, Dv] and [split][B, H, Sq].
@@ -568,11 +646,17 @@ void Forward(const FlashParams& p, ThreadPool& pool, bool merge, const OutRows& 
 
 }  // namespace
 
+int64_t ForwardHeadsTogether(const Geometry& g) {
+  if (g.nqb != 1 || g.sq > micro::kVec || g.h < 2) return 1;
+  return std::min(g.h, kMaxHeadsTogether);
+}
+
 int64_t ForwardKvSplits(const Geometry& g) {
   // At least kSplitTasks items where the tiles allow (fewer than twice as
   // many), ranges of at least kMinSplitTiles tiles.
   constexpr int64_t kSplitTasks = 16, kMinSplitTiles = 8;
-  const int64_t tasks = g.b * g.h * g.nqb;
+  const int64_t together = ForwardHeadsTogether(g);
+  const int64_t tasks = together > 1 ? g.b * ((g.h + together - 1) / together) : g.b * g.h * g.nqb;
   if (tasks == 0 || tasks >= kSplitTasks) return 1;
   return std::clamp<int64_t>(std::min((kSplitTasks + tasks - 1) / tasks, g.nkvb / kMinSplitTiles),
                              1, kSplitTasks);
