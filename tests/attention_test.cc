@@ -582,6 +582,31 @@ TEST(InvarianceTest, AutoPathIsTheResolvedPath) {
   EXPECT_EQ(a.dk, b.dk);
 }
 
+// Block sizes far beyond the sequence tile it as one block, exactly as a
+// block of its length rounded up to 16 does: scratch follows the rows, not
+// the knob (a block of 2^40 on 8 tokens used to throw std::bad_alloc, and
+// 2^20 took over a GB).
+TEST(InvarianceTest, HugeBlockSizesActLikeOneBlock) {
+  Rng rng(17);
+  const OwnedInputs in = RandomInputs(rng, ProblemSpec(1, 8, 20, 2, 1, 16, 16));
+  const Tensor dout = RandomTensor(rng, DType::kF32, OutShape(in));
+  AttentionOptions opt;
+  opt.mask = Mask::Causal(12);
+  opt.block_sizes = {16, 32};
+  const ApiResult fitted = RunAttention(in, opt, &dout);
+  for (const BlockSizes huge :
+       {BlockSizes{int64_t{1} << 40, int64_t{1} << 40}, BlockSizes{int64_t{1} << 20, 32},
+        BlockSizes{16, int64_t{1} << 24}}) {
+    opt.block_sizes = huge;
+    const ApiResult r = RunAttention(in, opt, &dout);
+    EXPECT_EQ(r.out, fitted.out) << huge.q << " x " << huge.kv;
+    EXPECT_EQ(r.lse, fitted.lse) << huge.q << " x " << huge.kv;
+    EXPECT_EQ(r.dq, fitted.dq) << huge.q << " x " << huge.kv;
+    EXPECT_EQ(r.dk, fitted.dk) << huge.q << " x " << huge.kv;
+  }
+  EXPECT_EQ(CheckF32(in, opt, SupportedKernelPaths()), "");
+}
+
 // ---- Positions -------------------------------------------------------------------
 
 // Global positions given explicitly equal the same mask with an offset, and

@@ -27,7 +27,8 @@ namespace ringsplash {
 // beyond float rounding. Each must be a positive multiple of 16. 128 x 128
 // measured fastest on every case of docs/PERFORMANCE.md (against 64 x 128 it
 // halves the K/V traffic per FLOP); smaller tiles waste less at the edges of
-// very narrow masks.
+// very narrow masks. A size above the rows it tiles (rounded up to 16) acts
+// as exactly that: one block, its scratch sized by the rows.
 struct BlockSizes {
   int64_t q = 128;
   int64_t kv = 128;

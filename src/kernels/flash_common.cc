@@ -21,8 +21,13 @@ Geometry Geometry::Of(const FlashParams& p) {
   g.hkv = p.k.shape[2];
   g.dv = p.v.shape[3];
   g.group = g.hkv > 0 ? std::max<int64_t>(1, g.h / g.hkv) : 1;
-  g.bq = std::max<int64_t>(1, p.blocks.q);
-  g.bkv = micro::RoundUp(std::max<int64_t>(1, p.blocks.kv), micro::kVec);
+  // Blocks no larger than the rows they tile (rounded up to whole vectors):
+  // the tiling is the same (one block), but scratch sized by the block
+  // would otherwise grow with a large block size, not with the problem.
+  const int64_t q_rows = micro::RoundUp(std::max<int64_t>(1, g.sq), micro::kVec);
+  const int64_t kv_rows = micro::RoundUp(std::max<int64_t>(1, g.skv), micro::kVec);
+  g.bq = std::min(std::max<int64_t>(1, p.blocks.q), q_rows);
+  g.bkv = std::min(micro::RoundUp(std::max<int64_t>(1, p.blocks.kv), micro::kVec), kv_rows);
   g.nqb = (g.sq + g.bq - 1) / g.bq;
   g.nkvb = (g.skv + g.bkv - 1) / g.bkv;
   g.dp = micro::RoundUp(g.d, micro::kVec);
