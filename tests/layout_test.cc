@@ -80,6 +80,13 @@ TEST(LayoutTest, IndivisibleLengthsAreErrorsNamingWhatAndN) {
   EXPECT_FALSE(ErrorOf([] { LayoutPositions(Layout::kStriped, 12, 0, 0); }).empty());
 }
 
+// A value cast into Layout that names none of the three is an Error, not
+// positions left at 0 (a ring run on them returned NaN).
+TEST(LayoutTest, ValueOutsideTheEnumIsAnError) {
+  const std::string msg = ErrorOf([] { LayoutPositions(static_cast<Layout>(9), 8, 0, 2); });
+  EXPECT_NE(msg.find("9 is not a Layout"), std::string::npos) << msg;
+}
+
 // Global [B, S, H, D] f32 stored as [B, H, S, D] (a strided view) and i32
 // segments [B, S]: sharding and gathering back reproduces every element, and
 // each shard row holds the token its position says.

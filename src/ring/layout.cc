@@ -1,7 +1,9 @@
 // Sequence layouts (SPEC §4): which global positions each rank holds, and the
 // copies between a global tensor and a rank's shard.
+#include <algorithm>
 #include <array>
 #include <cstring>
+#include <iterator>
 #include <string>
 #include <vector>
 
@@ -128,6 +130,9 @@ std::vector<int64_t> LayoutPositions(Layout layout, int64_t seq_len, int rank, i
   Check(num_ranks >= 1, "LayoutPositions: number of ranks must be >= 1, got ", num_ranks);
   Check(rank >= 0 && rank < num_ranks, "LayoutPositions: rank must be in [0, ", num_ranks,
         "), got ", rank);
+  Check(std::find(std::begin(kAllLayouts), std::end(kAllLayouts), layout) != std::end(kAllLayouts),
+        "layout: ", static_cast<int>(layout),
+        " is not a Layout (expected kContiguous, kZigzag or kStriped)");
   Check(seq_len >= 0, what, " must be >= 0, got ", seq_len);
   const int64_t n = num_ranks;
   const int64_t parts = layout == Layout::kZigzag ? 2 * n : n;
