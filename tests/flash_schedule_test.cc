@@ -409,6 +409,11 @@ TEST(FlashTest, HeadsTogetherMatchReferenceOnAnyThreadCount) {
        Mask::PerHead({Mask::Causal(), Mask::Full(), Mask::Local(30, 0), Mask::Causal(-100)}),
        4,
        1},
+      // The same, split over 4 kv ranges.
+      {{1, 2, 600, 4, 2, 16, 16},
+       Mask::PerHead({Mask::Local(100, 0), Mask::Full(), Mask::Causal(), Mask::Causal(-300)}),
+       4,
+       4},
       // Stacked GQA: 2 kv heads x 4 query heads x 2 rows = 8 rows per head.
       {{1, 2, 260, 8, 2, 16, 16}, Mask::Causal(), 2, 2},
       // Not decoding-shaped: 17 rows per head, or one head.

@@ -148,7 +148,13 @@ AttendPlan CheckArgs(const AttendArgs& args) {
   for (const auto& [flag, path] : outs) {
     if (path->empty()) continue;
     for (const auto& [in_flag, in_path] : ins) {
-      if (in_path->empty() || OutputEntry(*in_path) != OutputEntry(*path)) continue;
+      if (in_path->empty()) continue;
+      // The input's own entry, or the file it links to (replacing that
+      // entry would replace the data the link reads).
+      std::error_code ec;
+      const std::filesystem::path target = std::filesystem::canonical(*in_path, ec);
+      const std::filesystem::path out_entry = OutputEntry(*path);
+      if (OutputEntry(*in_path) != out_entry && (ec || target != out_entry)) continue;
       Usage(flag, " '", *path, "' would overwrite the input ", in_flag, " '", *in_path, "'");
     }
   }

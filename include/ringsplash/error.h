@@ -10,6 +10,7 @@
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <typeinfo>
 #include <utility>
 
 namespace ringsplash {
@@ -34,10 +35,10 @@ void Check(bool condition, Args&&... args) {
 }
 
 // What a failed rank tells its peers about exception `e`: e.what(), except
-// that std::bad_alloc (whose what() is only "std::bad_alloc") says that
-// memory ran out.
+// that std::bad_alloc itself (whose what() is only "std::bad_alloc"; not its
+// subclasses, which say more) says that memory ran out.
 inline std::string FailureReason(const std::exception& e) {
-  if (dynamic_cast<const std::bad_alloc*>(&e) != nullptr) return "out of memory (std::bad_alloc)";
+  if (typeid(e) == typeid(std::bad_alloc)) return "out of memory (std::bad_alloc)";
   return e.what();
 }
 

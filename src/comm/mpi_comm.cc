@@ -91,6 +91,24 @@ double EnvPositive(const char* name, double fallback) {
   return x;
 }
 
+// RINGSPLASH_MPI_POLL_US (default 50) and RINGSPLASH_MPI_PROGRESS (unset,
+// or "wait"), checked.
+struct Tuning {
+  double poll_us = 50;
+  bool wait_only = false;
+  static Tuning FromEnvironment() {
+    Tuning t;
+    t.poll_us = EnvPositive("RINGSPLASH_MPI_POLL_US", 50);
+    const char* mode = std::getenv("RINGSPLASH_MPI_PROGRESS");
+    const std::string mode_text = mode == nullptr ? "" : mode;
+    Check(mode_text.empty() || mode_text == "wait",
+          "RINGSPLASH_MPI_PROGRESS: expected 'wait' (or unset: the progress thread), got '",
+          mode_text, "'");
+    t.wait_only = mode_text == "wait";
+    return t;
+  }
+};
+
 enum class OpKind { kShift, kAllReduce, kBarrier };
 
 // One queued or in-flight operation. Fields above the marker are set by the
@@ -127,11 +145,14 @@ class Runtime {
     if (instance == nullptr) {
       // MPI cannot be initialised twice: a failure is final for the process.
       if (!init_failure.empty()) throw Error(init_failure);
+      // The tuning variables first: a bad value is an Error, but not a final
+      // one (MPI was not touched), so a corrected environment works.
+      const Tuning tuning = Tuning::FromEnvironment();
       // Never deleted: the progress thread (possibly stuck in MPI_Init on
       // failure) uses it until the process ends.
       auto* rt = new Runtime();
       try {
-        rt->Start(timeout_s);
+        rt->Start(timeout_s, tuning);
       } catch (const Error& e) {
         init_failure = e.what();
         throw;
@@ -210,16 +231,11 @@ class Runtime {
     timeout_s_ = std::max(timeout_s_, timeout_s);
   }
 
-  void Start(double timeout_s) {
+  void Start(double timeout_s, const Tuning& tuning) {
     timeout_s_ = timeout_s;
     poll_interval_ = std::chrono::duration_cast<Clock::duration>(
-        std::chrono::duration<double>(EnvPositive("RINGSPLASH_MPI_POLL_US", 50) * 1e-6));
-    const char* mode = std::getenv("RINGSPLASH_MPI_PROGRESS");
-    const std::string mode_text = mode == nullptr ? "" : mode;
-    Check(mode_text.empty() || mode_text == "wait",
-          "RINGSPLASH_MPI_PROGRESS: expected 'wait' (or unset: the progress thread), got '",
-          mode_text, "'");
-    progress_in_wait_only_ = mode_text == "wait";
+        std::chrono::duration<double>(tuning.poll_us * 1e-6));
+    progress_in_wait_only_ = tuning.wait_only;
     thread_ = std::thread([this] { ThreadMain(); });
     std::unique_lock<std::mutex> lock(mu_);
     const bool ready = cv_.wait_until(lock, DeadlineAfter(timeout_s),

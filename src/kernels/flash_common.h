@@ -277,7 +277,9 @@ T* Grow(AlignedBuffer<T>& buf, int64_t n) {
 // together (ForwardHeadsTogether), one item per (batch, group of heads).
 int64_t ForwardKvSplits(const Geometry& g);
 
-// How many query heads one forward work item takes together, tile by tile:
+// The most query heads one forward work item takes together, tile by tile
+// (fewer where that leaves too few items for the threads; which heads share
+// an item changes no result):
 // decoding-shaped calls (one q block of at most one vector of rows per head,
 // several heads, as after stacking) walk every head's K/V rows of a kv tile
 // before the next tile, so the rows of all heads — in [B, S, Hkv, D] one
@@ -285,7 +287,8 @@ int64_t ForwardKvSplits(const Geometry& g);
 // read 512 of every 16 KiB (MHA, H = 32, D = 128) across the whole cache,
 // at about half the memory bandwidth. 1 (one head per item) otherwise. At
 // most kMaxHeadsTogether, which bounds the per-thread state (a Q^T tile and
-// an accumulator per head).
+// an accumulator per head). A function of the shapes only: ForwardKvSplits
+// counts items with it.
 inline constexpr int64_t kMaxHeadsTogether = 32;
 int64_t ForwardHeadsTogether(const Geometry& g);
 

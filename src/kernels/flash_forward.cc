@@ -281,19 +281,26 @@ class ForwardCall {
   // thread's next group then finds all but its newest tiles in its cache (LRU
   // order). Items stay small enough for dynamic balancing (>= 8 per worker
   // with tile copies, >= 16 without).
+  // Decoding-shaped calls (heads_together_ > 1) instead have items of up to
+  // heads_together_ heads of one kv range (Heads), as few heads as it takes
+  // for >= 4 items per worker: which heads share an item changes no result
+  // (each head's walk is its own), so this may follow the thread count.
   void Run(KernelStats* stats) {
+    const auto workers = static_cast<int64_t>(pool_.size());
     if (heads_together_ > 1) {
-      const int64_t chunks = (g_.h + heads_together_ - 1) / heads_together_;
+      const int64_t want_chunks = (4 * workers + g_.b * splits_ - 1) / (g_.b * splits_);
+      const int64_t per_item =
+          std::max<int64_t>(1, std::min(heads_together_, g_.h / std::max<int64_t>(1, want_chunks)));
+      const int64_t chunks = (g_.h + per_item - 1) / per_item;
       pool_.ParallelFor(g_.b * chunks * splits_, [&](int64_t item, int worker) {
         const int64_t split = item % splits_, chunk = (item / splits_) % chunks;
-        const int64_t h0 = chunk * heads_together_;
-        Heads(item / (splits_ * chunks), h0, std::min(h0 + heads_together_, g_.h), split, worker);
+        const int64_t h0 = chunk * per_item;
+        Heads(item / (splits_ * chunks), h0, std::min(h0 + per_item, g_.h), split, worker);
       });
       if (splits_ > 1) MergeSplits();
       AddStats(wstats_, stats);
       return;
     }
-    const auto workers = static_cast<int64_t>(pool_.size());
     const int64_t tasks = g_.b * g_.h * g_.nqb;
     const int64_t chunk = kv_.tile_cache() ? std::clamp<int64_t>(tasks / (8 * workers), 1, 32)
                                            : std::clamp<int64_t>(tasks / (16 * workers), 1, kGroup);

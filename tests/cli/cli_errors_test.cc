@@ -65,6 +65,10 @@ class Files {
     std::ofstream(dir_ / name, std::ios::binary) << bytes;
   }
   void Dir(const std::string& name) const { std::filesystem::create_directory(dir_ / name); }
+  // A symbolic link `name` to `target` (a name in the same directory).
+  void Link(const std::string& name, const std::string& target) const {
+    std::filesystem::create_symlink(target, dir_ / name);
+  }
 
  private:
   static int64_t Numel(const std::vector<int64_t>& s) {
@@ -232,6 +236,12 @@ std::vector<BadCase> Cases() {
        {"attend", "--q", "@q.npy", "--k", "@k.npy", "--v", "@v.npy", "--out", "@./q.npy"},
        2,
        "would overwrite the input --q"},
+      // ... or the file an input links to.
+      {"output_over_linked_input",
+       [](const Files& f) { f.Link("link.npy", "q.npy"); },
+       {"attend", "--q", "@link.npy", "--k", "@k.npy", "--v", "@v.npy", "--out", "@q.npy"},
+       2,
+       "would overwrite the input --q"},
       {"gradient_over_dout", [](const Files& f) { f.Dir("sub"); },
        Attend({"--dout", "@dout.npy", "--dq", "@sub/../dout.npy"}), 2,
        "would overwrite the input --dout"},
@@ -320,6 +330,11 @@ std::vector<BadCase> Cases() {
        "--seed: expected 0 to 9007199254740991 (2^53 - 1), got -1"},
       {"bench_huge_seed", nullptr, {"bench", "--seed", "9007199254740992"}, 2, "--seed"},
       {"demo_ranks", nullptr, {"demo", "--ranks", "0"}, 2, "--ranks"},
+      {"demo_one_rank",
+       nullptr,
+       {"demo", "--ranks", "1"},
+       2,
+       "--ranks: the demo needs at least 2 ranks"},
       {"demo_bad_seq", nullptr, {"demo", "--seq", "100"}, 2, "does not divide by 8"},
       // Environment variables: checked before any rank starts, so the line
       // names the variable, not "rank R failed", and the status is 2.

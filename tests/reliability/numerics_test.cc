@@ -237,12 +237,12 @@ TEST(NumericsPoison, DependentGradientsAreNonFinite) {
 }
 
 // Decoding-sized calls: 4 query rows of an MQA group run stacked (one head
-// of 16 rows, flash_stacked.h) and split over ranges of kv tiles
+// of 16 rows, flash_stacked.h), or of 4 MHA heads taken together kv tile by
+// kv tile (ForwardHeadsTogether), split over ranges of kv tiles
 // (ForwardKvSplits). The NaN/Inf check must still see every row it reads: a
 // NaN key the mask rules out stays out, an infinite value and a NaN query
 // reach exactly their rows.
-TEST(NumericsPoison, StackedAndSplitDecodingSteps) {
-  ProblemSpec spec(1, 4, 400, 4, 1, 16, 16);
+void StackedOrTogetherDecodingStep(const ProblemSpec& spec) {
   Rng rng(2025);
   OwnedInputs in = RandomInputs(rng, spec);
   Tensor dout = RandomTensor(rng, DType::kF32, OutShape(in));
@@ -260,12 +260,19 @@ TEST(NumericsPoison, StackedAndSplitDecodingSteps) {
     for (KernelPath path : SupportedKernelPaths()) {
       opt.kernel_path = path;
       const ApiResult api = RunAttention(in, opt, &dout);
-      const std::string what = std::string("stacked decoding, path ") + KernelPathName(path) +
+      const std::string what = std::string(spec.hkv == 1 ? "stacked" : "heads together") +
+                               " decoding, path " + KernelPathName(path) +
                                (inf_value ? ", inf value" : ", NaN query");
       for (const PoisonCheck check : {PoisonCheck::kConfinement, PoisonCheck::kPropagation}) {
         ExpectPoisonRule(in, opt, dout, api, what, check, Outputs::kForward);
       }
     }
+  }
+}
+
+TEST(NumericsPoison, StackedAndSplitDecodingSteps) {
+  for (const int64_t hkv : {1, 4}) {
+    StackedOrTogetherDecodingStep(ProblemSpec(1, 4, 400, 4, hkv, 16, 16));
   }
 }
 
