@@ -73,6 +73,19 @@ constexpr int kGroup = 4;
 struct BlockState {
   AlignedBuffer<float> qt, acc, row_max, row_sum, alpha;
   AlignedBuffer<uint16_t> qt_bf16;
+
+  // Room for a block of up to `rows` rows (acc holds only those).
+  void Reserve(const Geometry& g, bool bf16, int64_t rows) {
+    if (bf16) {
+      Grow(qt_bf16, RoundUp(g.d, 2) * g.ld_q);
+    } else {
+      Grow(qt, g.d * g.ld_q);
+    }
+    Grow(acc, rows * g.ld_dv);
+    Grow(row_max, g.ld_q);
+    Grow(row_sum, g.ld_q);
+    Grow(alpha, g.ld_q);
+  }
 };
 
 // The bf16 P V on AMX tiles (amx path, bf16 inputs): P rounded to bf16
@@ -107,18 +120,7 @@ struct Workspace {
 
   static Workspace& ForThisThread(const Geometry& g, bool bf16, bool bf16_pv) {
     thread_local Workspace ws;
-    const int64_t d2 = RoundUp(g.d, 2);
-    for (BlockState& s : ws.blocks) {
-      if (bf16) {
-        Grow(s.qt_bf16, d2 * g.ld_q);
-      } else {
-        Grow(s.qt, g.d * g.ld_q);
-      }
-      Grow(s.acc, g.bq * g.ld_dv);
-      Grow(s.row_max, g.ld_q);
-      Grow(s.row_sum, g.ld_q);
-      Grow(s.alpha, g.ld_q);
-    }
+    for (BlockState& s : ws.blocks) s.Reserve(g, bf16, g.bq);
     Grow(ws.pt, g.bkv * g.ld_q);
     Grow(ws.tile, 3 * g.ld_q);
     if (bf16_pv) {
@@ -363,24 +365,37 @@ class ForwardCall {
           if (bf16_pv_) PackValuePairs(ws, kvt, b, kh, kvb);
         }
         Tile(ws, b, h, qb, kvb, run.kind, kind, kvt, ws.blocks[i], w);
-        (kind == BlockKind::kFull ? st.full : st.partial) += 1;
-        st.flops += 2 * g_.QRows(qb) * g_.KvRows(kvb) * (g_.d + g_.dv);
+        Count(st, kind, qb, kvb);
       }
     }
     for (int i = 0; i < nb; ++i) {
-      st.computed += walks[i].computed;
-      st.skipped += (kv_hi - kv_lo) - walks[i].computed;
-      if (splits_ > 1) {
-        const OutRows part{.f32 = part_out_.data() + split * g_.b * g_.sq * g_.h * g_.dv,
-                           .bf16 = {},
-                           .overflow = nullptr};
-        FinishRows(g_, b, h, qb0 + i, g_.QRows(qb0 + i), ws.blocks[i], /*merge=*/false,
-                   /*stream=*/false, part, part_lse_.data() + split * g_.b * g_.h * g_.sq);
-      } else {
-        FinishRows(g_, b, h, qb0 + i, g_.QRows(qb0 + i), ws.blocks[i], merge_, stream_, out_, lse_);
-      }
+      Finish(st, walks[i], kv_hi - kv_lo, b, h, qb0 + i, ws.blocks[i], split);
     }
     if (stream_) StreamFence();
+  }
+
+  // A computed tile of q block qb in the worker's counters.
+  void Count(WorkerStats& st, BlockKind kind, int64_t qb, int64_t kvb) const {
+    (kind == BlockKind::kFull ? st.full : st.partial) += 1;
+    st.flops += 2 * g_.QRows(qb) * g_.KvRows(kvb) * (g_.d + g_.dv);
+  }
+
+  // Block (b, h, qb) after its walk over `tiles` kv tiles: counted, and its
+  // rows finished into range `split`'s partial result (with kv splits) or
+  // their places.
+  void Finish(WorkerStats& st, const Walk& w, int64_t tiles, int64_t b, int64_t h, int64_t qb,
+              BlockState& s, int64_t split) {
+    st.computed += w.computed;
+    st.skipped += tiles - w.computed;
+    if (splits_ > 1) {
+      const OutRows part{.f32 = part_out_.data() + split * g_.b * g_.sq * g_.h * g_.dv,
+                         .bf16 = {},
+                         .overflow = nullptr};
+      FinishRows(g_, b, h, qb, g_.QRows(qb), s, /*merge=*/false, /*stream=*/false, part,
+                 part_lse_.data() + split * g_.b * g_.h * g_.sq);
+    } else {
+      FinishRows(g_, b, h, qb, g_.QRows(qb), s, merge_, stream_, out_, lse_);
+    }
   }
 
   // Heads [h0, h1) of batch b, each with its one q block (decoding-shaped
@@ -399,12 +414,7 @@ class ForwardCall {
     const int64_t kv_lo = split * g_.nkvb / splits_, kv_hi = (split + 1) * g_.nkvb / splits_;
     for (int64_t i = 0; i < n; ++i) {
       BlockState& s = states[static_cast<size_t>(i)];
-      const int64_t d2 = RoundUp(g_.d, 2);
-      bf16_ ? (void)Grow(s.qt_bf16, d2 * g_.ld_q) : (void)Grow(s.qt, g_.d * g_.ld_q);
-      Grow(s.acc, m * g_.ld_dv);  // only the block's m rows
-      Grow(s.row_max, g_.ld_q);
-      Grow(s.row_sum, g_.ld_q);
-      Grow(s.alpha, g_.ld_q);
+      s.Reserve(g_, bf16_, m);
       Begin(ws, b, h0 + i, 0, kv_lo, s, walks[static_cast<size_t>(i)]);
     }
     for (int64_t kvb = kv_lo; kvb < kv_hi; ++kvb) {
@@ -424,24 +434,12 @@ class ForwardCall {
           if (bf16_pv_) PackValuePairs(ws, kvt, b, kh, kvb);
         }
         Tile(ws, b, h, 0, kvb, run.kind, kind, kvt, states[static_cast<size_t>(i)], w);
-        (kind == BlockKind::kFull ? st.full : st.partial) += 1;
-        st.flops += 2 * m * g_.KvRows(kvb) * (g_.d + g_.dv);
+        Count(st, kind, 0, kvb);
       }
     }
     for (int64_t i = 0; i < n; ++i) {
-      const Walk& w = walks[static_cast<size_t>(i)];
-      BlockState& s = states[static_cast<size_t>(i)];
-      st.computed += w.computed;
-      st.skipped += (kv_hi - kv_lo) - w.computed;
-      if (splits_ > 1) {
-        const OutRows part{.f32 = part_out_.data() + split * g_.b * g_.sq * g_.h * g_.dv,
-                           .bf16 = {},
-                           .overflow = nullptr};
-        FinishRows(g_, b, h0 + i, 0, m, s, /*merge=*/false, /*stream=*/false, part,
-                   part_lse_.data() + split * g_.b * g_.h * g_.sq);
-      } else {
-        FinishRows(g_, b, h0 + i, 0, m, s, merge_, stream_, out_, lse_);
-      }
+      const auto at = static_cast<size_t>(i);
+      Finish(st, walks[at], kv_hi - kv_lo, b, h0 + i, 0, states[at], split);
     }
     if (stream_) StreamFence();
   }
