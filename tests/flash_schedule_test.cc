@@ -320,6 +320,26 @@ TEST(FlashTest, StackedHeadsOnlyWhereTheyApply) {
   ExpectClose(r.lse, ref.lse, kF32Tol, "lse, per-head mask");
 }
 
+// The geometry of the problem FlashForward runs for p: the stacked one
+// where stacking applies (flash_stacked.h).
+kernels::Geometry ForwardGeometry(const FlashParams& p) {
+  if (!kernels::StackedHeads::Applies(p)) return kernels::Geometry::Of(p);
+  ThreadPool pool(1);
+  const kernels::StackedHeads stacked(p, pool);
+  return kernels::Geometry::Of(stacked.params());
+}
+
+// The forward of prob on 1 thread, expected bitwise the same on 2 and 3.
+Result ExpectSameOnAnyThreadCount(const Problem& prob, RunConfig s, const std::string& what) {
+  s.threads = 1;
+  const Result r1 = prob.Run(s, false);
+  for (int threads : {2, 3}) {
+    s.threads = threads;
+    EXPECT_TRUE(BitwiseEqual(r1, prob.Run(s, false))) << what << ", " << threads << " threads";
+  }
+  return r1;
+}
+
 // Calls with few (batch, head, q block) tasks split each walk over the kv
 // tiles into ranges merged in order (ForwardKvSplits): decoding steps with
 // and without stacked heads, windows that leave some rows nothing in some
@@ -356,22 +376,12 @@ TEST(FlashTest, KvSplitsMatchReferenceOnAnyThreadCount) {
                               /*q_offset=*/c.shape.skv - c.shape.sq);
         Problem prob(seed, SpecOf(c.shape, dtype, segments));
         FlashParams p = prob.Params(s);
-        const bool stacked = kernels::StackedHeads::Applies(p);
-        EXPECT_EQ(stacked, c.shape.h > c.shape.hkv);
-        kernels::Geometry g = kernels::Geometry::Of(p);
-        if (stacked) {  // the stacked problem: one head per kv head
-          g.h = g.hkv;
-          g.sq *= c.shape.h / c.shape.hkv;
-          g.nqb = (g.sq + g.bq - 1) / g.bq;
-        }
-        EXPECT_EQ(kernels::ForwardKvSplits(g), c.splits);
-        s.threads = 1;
-        const Result r1 = prob.Run(s, false);
-        for (int threads : {2, 3}) {
-          s.threads = threads;
-          EXPECT_TRUE(BitwiseEqual(r1, prob.Run(s, false)))
-              << KernelPathName(path) << " " << DTypeName(dtype) << " splits " << c.splits;
-        }
+        EXPECT_EQ(kernels::StackedHeads::Applies(p), c.shape.h > c.shape.hkv);
+        EXPECT_EQ(kernels::ForwardKvSplits(ForwardGeometry(p)), c.splits);
+        const Result r1 =
+            ExpectSameOnAnyThreadCount(prob, s,
+                                       std::string(KernelPathName(path)) + " " + DTypeName(dtype) +
+                                           " splits " + std::to_string(c.splits));
         ThreadPool pool(2);
         const auto n = r1.out.size();
         std::vector<uint16_t> bf(n);
@@ -432,23 +442,12 @@ TEST(FlashTest, HeadsTogetherMatchReferenceOnAnyThreadCount) {
         CheckAgainstReference(c.shape, dtype, s, segments, ++seed, /*backward=*/false,
                               /*q_offset=*/c.shape.skv - c.shape.sq);
         Problem prob(seed, SpecOf(c.shape, dtype, segments));
-        FlashParams p = prob.Params(s);
-        kernels::Geometry g = kernels::Geometry::Of(p);
-        if (kernels::StackedHeads::Applies(p)) {
-          g.h = g.hkv;
-          g.sq *= c.shape.h / c.shape.hkv;
-          g.nqb = (g.sq + g.bq - 1) / g.bq;
-          g.group = 1;
-        }
+        const kernels::Geometry g = ForwardGeometry(prob.Params(s));
         EXPECT_EQ(kernels::ForwardHeadsTogether(g), c.together);
         EXPECT_EQ(kernels::ForwardKvSplits(g), c.splits);
-        s.threads = 1;
-        const Result r1 = prob.Run(s, false);
-        for (int threads : {2, 3}) {
-          s.threads = threads;
-          EXPECT_TRUE(BitwiseEqual(r1, prob.Run(s, false)))
-              << KernelPathName(path) << " " << DTypeName(dtype) << " heads " << c.shape.h;
-        }
+        ExpectSameOnAnyThreadCount(prob, s,
+                                   std::string(KernelPathName(path)) + " " + DTypeName(dtype) +
+                                       " heads " + std::to_string(c.shape.h));
       }
     }
   }

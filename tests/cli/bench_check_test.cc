@@ -20,6 +20,7 @@
 #include <string>
 #include <vector>
 
+#include "ringsplash/attention.h"
 #include "ringsplash/comm.h"
 #include "ringsplash/mask.h"
 #include "ringsplash/tensor.h"
@@ -86,18 +87,13 @@ struct Fixture {
     const Tensor k = Generated(c, cli::RandomStream::kK, c.seq, c.kv_heads, c.head_dim);
     const Tensor v = Generated(c, cli::RandomStream::kV, c.seq, c.kv_heads, c.v_head_dim);
     const Tensor dout = Generated(c, cli::RandomStream::kDout, c.q_seq, c.heads, c.v_head_dim);
-    RefProblem p;
-    p.b = c.batch;
-    p.sq = c.q_seq;
-    p.skv = c.seq;
-    p.h = c.heads;
-    p.hkv = c.kv_heads;
-    p.d = c.head_dim;
-    p.dv = c.v_head_dim;
-    p.q = ToDoubles(q.view());
-    p.k = ToDoubles(k.view());
-    p.v = ToDoubles(v.view());
-    p.mask = mask;
+    AttentionInputs in;
+    in.q = q.view();
+    in.k = k.view();
+    in.v = v.view();
+    AttentionOptions opt;
+    opt.mask = mask;
+    const RefProblem p = MakeRefProblem(in, opt);
     fwd = ReferenceForward(p);
     bwd = ReferenceBackward(p, ToDoubles(dout.view()));
   }

@@ -184,34 +184,12 @@ TEST(Cli, BenchUnderMpi) {
 #ifndef RINGSPLASH_MPIEXEC
   GTEST_SKIP() << "built without MPI";
 #else
-  setenv("OMPI_ALLOW_RUN_AS_ROOT", "1", 1);
-  setenv("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1", 1);
-  const CommandResult r = RunCommand({RINGSPLASH_MPIEXEC,
-                                      "--oversubscribe",
-                                      "-np",
-                                      "2",
-                                      RINGSPLASH_CLI,
-                                      "bench",
-                                      "--backend",
-                                      "mpi",
-                                      "--seq",
-                                      "128",
-                                      "--heads",
-                                      "2",
-                                      "--head-dim",
-                                      "16",
-                                      "--mask",
-                                      "causal",
-                                      "--pass",
-                                      "fwdbwd",
-                                      "--threads-per-rank",
-                                      "1",
-                                      "--iters",
-                                      "1",
-                                      "--warmup",
-                                      "0",
-                                      "--check"},
-                                     180);
+  const CommandResult r = RunCliUnderMpi(
+      2,
+      {"bench",      "--backend", "mpi",    "--seq",    "128",    "--heads", "2",
+       "--head-dim", "16",        "--mask", "causal",   "--pass", "fwdbwd",  "--threads-per-rank",
+       "1",          "--iters",   "1",      "--warmup", "0",      "--check"},
+      180);
   ASSERT_EQ(r.status, 0) << r.err;
   const std::vector<nlohmann::json> lines = JsonLines(r.out);
   ASSERT_EQ(lines.size(), 1u) << r.out;  // rank 0 only
@@ -228,34 +206,16 @@ TEST(Cli, BadMpiTuningVariableIsAnError) {
 #ifndef RINGSPLASH_MPIEXEC
   GTEST_SKIP() << "built without MPI";
 #else
-  setenv("OMPI_ALLOW_RUN_AS_ROOT", "1", 1);
-  setenv("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1", 1);
   const std::pair<const char*, const char*> bad[] = {{"RINGSPLASH_MPI_POLL_US", "fast"},
                                                      {"RINGSPLASH_MPI_POLL_US", "-5"},
                                                      {"RINGSPLASH_MPI_PROGRESS", "sometimes"}};
   for (const auto& [name, value] : bad) {
     SCOPED_TRACE(std::string(name) + "=" + value);
-    const CommandResult r = RunCommand({"env",
-                                        std::string(name) + "=" + value,
-                                        RINGSPLASH_MPIEXEC,
-                                        "--oversubscribe",
-                                        "-np",
-                                        "2",
-                                        RINGSPLASH_CLI,
-                                        "bench",
-                                        "--backend",
-                                        "mpi",
-                                        "--seq",
-                                        "64",
-                                        "--heads",
-                                        "1",
-                                        "--head-dim",
-                                        "16",
-                                        "--iters",
-                                        "1",
-                                        "--warmup",
-                                        "0"},
-                                       180);
+    const CommandResult r =
+        RunCliUnderMpi(2,
+                       {"bench", "--backend", "mpi", "--seq", "64", "--heads", "1", "--head-dim",
+                        "16", "--iters", "1", "--warmup", "0"},
+                       180, {std::string(name) + "=" + value});
     EXPECT_NE(r.status, 0);
     EXPECT_NE(r.err.find(std::string(name) + ": expected"), std::string::npos) << r.err;
     EXPECT_NE(r.err.find(value), std::string::npos) << r.err;

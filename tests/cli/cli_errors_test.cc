@@ -421,17 +421,15 @@ TEST(BadInputMpi, RankZeroReportsAndNothingIsLeft) {
 #ifndef RINGSPLASH_MPIEXEC
   GTEST_SKIP() << "built without MPI";
 #else
-  setenv("OMPI_ALLOW_RUN_AS_ROOT", "1", 1);
-  setenv("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1", 1);
   ScratchDir dir;
   Files files(dir);
   files.F32("k.npy", {4, 16});
   const std::vector<std::string> before = dir.List();
   const CommandResult r =
-      RunCommand({RINGSPLASH_MPIEXEC, "--oversubscribe", "-np", "2", RINGSPLASH_CLI, "attend",
-                  "--backend", "mpi", "--q", dir / "q.npy", "--k", dir / "k.npy", "--v",
-                  dir / "v.npy", "--out", dir / "out.npy"},
-                 120);
+      RunCliUnderMpi(2,
+                     {"attend", "--backend", "mpi", "--q", dir / "q.npy", "--k", dir / "k.npy",
+                      "--v", dir / "v.npy", "--out", dir / "out.npy"},
+                     120);
   EXPECT_NE(r.status, 0);
   // mpirun adds its own lines; ours appears exactly once (rank 0 only).
   const std::string msg = "k.npy: expected 4 dims [B, Skv, Hkv, D], got [4, 16]";

@@ -82,6 +82,20 @@ CommandResult RunCli(const std::vector<std::string>& args, int timeout_s) {
   return RunCommand(argv, timeout_s);
 }
 
+#ifdef RINGSPLASH_MPIEXEC
+CommandResult RunCliUnderMpi(int ranks, const std::vector<std::string>& args, int timeout_s,
+                             const std::vector<std::string>& env) {
+  setenv("OMPI_ALLOW_RUN_AS_ROOT", "1", 1);
+  setenv("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1", 1);
+  std::vector<std::string> argv = {"env"};
+  argv.insert(argv.end(), env.begin(), env.end());
+  argv.insert(argv.end(), {RINGSPLASH_MPIEXEC, "--oversubscribe", "-np", std::to_string(ranks),
+                           RINGSPLASH_CLI});
+  argv.insert(argv.end(), args.begin(), args.end());
+  return RunCommand(argv, timeout_s);
+}
+#endif
+
 int CountLines(const std::string& text) {
   if (text.empty()) return 0;
   const int n = static_cast<int>(std::count(text.begin(), text.end(), '\n'));

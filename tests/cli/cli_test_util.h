@@ -39,6 +39,14 @@ CommandResult RunCommand(const std::vector<std::string>& argv, int timeout_s = 1
 // The CLI binary under test (RINGSPLASH_CLI) with `args`.
 CommandResult RunCli(const std::vector<std::string>& args, int timeout_s = 120);
 
+#ifdef RINGSPLASH_MPIEXEC
+// The CLI under `mpirun --oversubscribe -np <ranks>` with `args`, allowed to
+// run as root (Open MPI refuses otherwise) and with the `env` assignments
+// (NAME=VALUE) set for it.
+CommandResult RunCliUnderMpi(int ranks, const std::vector<std::string>& args, int timeout_s,
+                             const std::vector<std::string>& env = {});
+#endif
+
 // Number of '\n'-terminated lines in `text` (a final unterminated line counts).
 int CountLines(const std::string& text);
 
