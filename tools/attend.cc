@@ -319,9 +319,7 @@ CLI::App* AddAttendCommand(CLI::App& app, AttendArgs& a) {
   cmd->add_option("--dtype", a.dtype, "compute dtype: f32 | bf16 (f32 accumulation)")
       ->type_name("NAME")
       ->capture_default_str();
-  cmd->add_option("--threads-per-rank", a.threads_per_rank,
-                  "kernel threads per rank (default, or 0: cores / ranks)")
-      ->type_name("T");
+  cmd->add_option("--threads-per-rank", a.threads_per_rank, kThreadsPerRankHelp)->type_name("T");
   cmd->add_option("--comm-timeout", a.comm_timeout,
                   "seconds a rank waits for a peer before failing")
       ->type_name("SECONDS")

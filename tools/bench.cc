@@ -229,15 +229,16 @@ CLI::App* AddBenchCommand(CLI::App& app, BenchArgs& a) {
   cmd->add_option("--backend", a.backend, "threads|mpi")->capture_default_str();
   cmd->add_option("--dtype", a.dtype, "f32|bf16")->capture_default_str();
   cmd->add_option("--pass", a.pass, "fwd|bwd|fwdbwd")->capture_default_str();
-  cmd->add_option("--threads-per-rank", a.threads_per_rank,
-                  "kernel threads per rank (default, or 0: cores / ranks)");
+  cmd->add_option("--threads-per-rank", a.threads_per_rank, kThreadsPerRankHelp);
   cmd->add_option("--warmup", a.warmup, "untimed iterations")->capture_default_str();
   cmd->add_option("--iters", a.iters, "timed iterations (median reported)")->capture_default_str();
   cmd->add_flag("--check", a.check, "compare sampled rows with the single-device kernel");
   cmd->add_option("--check-rows", a.check_rows, "rows sampled by --check")->capture_default_str();
-  cmd->add_option("--block-q", a.block_q, "query tile size")->capture_default_str();
-  cmd->add_option("--block-kv", a.block_kv, "key/value tile size")->capture_default_str();
-  cmd->add_option("--seed", a.seed, "input seed")->capture_default_str();
+  cmd->add_option("--block-q", a.block_q, "query tile size (a multiple of 16)")
+      ->capture_default_str();
+  cmd->add_option("--block-kv", a.block_kv, "key/value tile size (a multiple of 16)")
+      ->capture_default_str();
+  cmd->add_option("--seed", a.seed, "input seed, 0 to 2^53 - 1")->capture_default_str();
   cmd->add_option("--comm-timeout", a.comm_timeout, "seconds a rank waits for a peer")
       ->capture_default_str();
   cmd->footer(

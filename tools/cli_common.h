@@ -42,8 +42,10 @@ template <typename... Args>
 // the file rather than the library's argument.
 
 // --threads-per-rank: 1..kMaxThreads, or 0 for the default (cores / ranks);
-// a usage error otherwise.
+// a usage error otherwise. kThreadsPerRankHelp: its --help line.
 void CheckThreadsPerRank(int threads_per_rank);
+inline constexpr const char* kThreadsPerRankHelp =
+    "kernel threads per rank, 1 to 1024 (default, or 0: cores / ranks)";
 
 // Checks the environment variables the library reads, before any rank
 // starts, so that a bad value is one usage error naming the variable rather

@@ -87,12 +87,11 @@ CLI::App* AddDemoCommand(CLI::App& app, DemoArgs& a) {
       "Run a realistic ring on this machine (GQA, causal, forward + backward), check it "
       "against the single-device kernel, print a summary. No arguments needed.");
   cmd->add_option("--seq", a.seq, "sequence length")->capture_default_str();
-  cmd->add_option("--ranks", a.ranks, "ranks (threads)")->capture_default_str();
+  cmd->add_option("--ranks", a.ranks, "ranks (threads), 2 to 4096")->capture_default_str();
   cmd->add_option("--layout", a.layout, "contiguous|zigzag|striped")->capture_default_str();
   cmd->add_option("--mask", a.mask, "mask text, as for attend")->capture_default_str();
   cmd->add_option("--dtype", a.dtype, "f32|bf16")->capture_default_str();
-  cmd->add_option("--threads-per-rank", a.threads_per_rank,
-                  "kernel threads per rank (default, or 0: cores / ranks)");
+  cmd->add_option("--threads-per-rank", a.threads_per_rank, kThreadsPerRankHelp);
   cmd->add_flag("--json", a.json, "print the result as JSON (the bench fields) instead");
   // Its own footer: the top-level one (inherited otherwise) shows bench and
   // attend commands.
