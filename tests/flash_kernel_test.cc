@@ -279,11 +279,12 @@ bool UsesTileCopies(const FlashParams& p) {
 }
 
 // Dense f32 K/V rows (one kv head) whose V rows are 512 bytes, which a tile
-// used often copies per thread (L1 set aliasing): a decoding step — stacked,
-// each tile used once — reads them in place instead (a copy would be a whole
-// extra pass over K and V); the same rows under eight query rows per head,
-// unstacked, are used four times per tile and copied. Both against the
-// reference.
+// used often copies per thread (L1 set aliasing): a decoding step — stacked
+// where no decoding kernel takes it (UseDecodeStep; the stacked problem is
+// built here directly), each tile used once — reads them in place instead (a
+// copy would be a whole extra pass over K and V); the same rows under eight
+// query rows per head, unstacked, are used four times per tile and copied.
+// Both against the reference.
 TEST(FlashTest, DecodingReadsDenseRowsInPlace) {
   RunConfig s;
   s.blocks = {16, 16};

@@ -19,6 +19,7 @@
 #include "src/kernels/flash_common.h"
 #include "src/kernels/flash_merge.h"
 #include "src/kernels/flash_stacked.h"
+#include "src/kernels/micro.h"
 #include "src/kernels/thread_pool.h"
 #include "tests/support/flash_problem.h"
 #include "tests/support/reference.h"
@@ -226,7 +227,8 @@ TEST(FlashTest, BackwardKvGroupsMatchOneTileAtATime) {
 // Short query blocks with GQA / MQA (decoding, speculative and chunked
 // steps) stack the query heads of each kv group into rows of one q block
 // (flash_stacked.h). Against the reference: decode steps at the end of the
-// keys (a single query, and 5 and 8), causal, windowed and chunked masks,
+// keys (a single query — stacked only on paths without a decoding kernel,
+// UseDecodeStep — and 5 and 8), causal, windowed and chunked masks,
 // packed documents, every path and dtype; and bitwise the same on 1 to 3
 // threads. (The backward, run too, is not stacked.)
 TEST(FlashTest, StackedHeadsMatchReferenceOnAnyThreadCount) {
@@ -250,7 +252,10 @@ TEST(FlashTest, StackedHeadsMatchReferenceOnAnyThreadCount) {
           CheckAgainstReference(sh, dtype, s, segments, ++seed, /*backward=*/true,
                                 /*q_offset=*/sh.skv - sh.sq);
           Problem prob(seed, SpecOf(sh, dtype, segments));
-          EXPECT_TRUE(kernels::StackedHeads::Applies(prob.Params(s)));
+          const FlashParams p = prob.Params(s);
+          EXPECT_EQ(kernels::StackedHeads::Applies(p), !kernels::UseDecodeStep(p));
+          EXPECT_EQ(kernels::UseDecodeStep(p),
+                    sh.sq == 1 && kernels::micro::MicroKernelsFor(path).decode_step != nullptr);
           s.threads = 1;
           const Result r1 = prob.Run(s, false);
           for (int threads : {2, 3}) {
@@ -376,7 +381,8 @@ TEST(FlashTest, KvSplitsMatchReferenceOnAnyThreadCount) {
                               /*q_offset=*/c.shape.skv - c.shape.sq);
         Problem prob(seed, SpecOf(c.shape, dtype, segments));
         FlashParams p = prob.Params(s);
-        EXPECT_EQ(kernels::StackedHeads::Applies(p), c.shape.h > c.shape.hkv);
+        EXPECT_EQ(kernels::StackedHeads::Applies(p),
+                  c.shape.h > c.shape.hkv && !kernels::UseDecodeStep(p));
         EXPECT_EQ(kernels::ForwardKvSplits(ForwardGeometry(p)), c.splits);
         const Result r1 =
             ExpectSameOnAnyThreadCount(prob, s,
@@ -448,6 +454,69 @@ TEST(FlashTest, HeadsTogetherMatchReferenceOnAnyThreadCount) {
         ExpectSameOnAnyThreadCount(prob, s,
                                    std::string(KernelPathName(path)) + " " + DTypeName(dtype) +
                                        " heads " + std::to_string(c.shape.h));
+      }
+    }
+  }
+}
+
+// Decoding steps (one query row) on the paths with a decoding kernel run in
+// decoding mode (UseDecodeStep: K and V read in place, 16 keys per vector):
+// D and Dv that are no multiple of 16 and Dv over 64 (the kernel's column
+// tails), key counts that are no multiple of 16 (its key tail), GQA and MQA
+// (no longer stacked), partial tiles (the query sits 5 keys before the end
+// of the cache), per-head masks (one head sees no key at all: out 0,
+// lse -inf), packed documents, a soft cap over large logits, [B, H, S, D]
+// views, one head, more heads per kv head than the kernel takes at once. On every path and dtype against the reference within
+// kF32Tol — the decoding kernel never rounds P, so bf16 inputs (exact in
+// f32) get the f32 bound too — and bitwise the same on 1 to 3 threads.
+TEST(FlashTest, DecodingStepsMatchReferenceOnAnyThreadCount) {
+  struct Case {
+    Shape shape;
+    Mask mask;
+    float softcap = 0.0f;
+    bool bhsd = false;
+    double qk_range = 1.0;
+    BlockSizes blocks{16, 48};
+  };
+  const std::vector<Case> cases = {
+      {{1, 1, 203, 3, 3, 40, 72}, Mask::Causal()},
+      {{2, 1, 300, 4, 4, 24, 200}, Mask::Causal() & Mask::Local(60, 0)},
+      {{1, 1, 500, 8, 2, 64, 64}, Mask::Causal(), 20.0f, false, 4.0},
+      {{1, 1, 260, 4, 1, 16, 16},
+       Mask::PerHead({Mask::Causal(), Mask::Full(), Mask::Local(30, 0), Mask::Causal(-300)})},
+      {{1, 1, 333, 4, 2, 32, 32}, Mask::Causal(), 0.0f, true, 1.0, {16, 32}},
+      {{1, 1, 100, 1, 1, 16, 16}, Mask::Full(), 0.0f, false, 1.0, {16, 16}},
+      // 12 heads per kv head: the kernel takes them 8 and 4 at a time.
+      {{1, 1, 150, 12, 1, 16, 16}, Mask::Causal()},
+  };
+  uint64_t seed = 1500;
+  for (const Case& c : cases) {
+    for (KernelPath path : SupportedKernelPaths()) {
+      for (DType dtype : {DType::kF32, DType::kBF16}) {
+        ProblemSpec spec = SpecOf(c.shape, dtype, /*segments=*/c.shape.b == 2);
+        spec.bhsd = c.bhsd;
+        spec.qk_range = c.qk_range;
+        Problem prob(++seed, spec);
+        prob.owned().q_pos = {c.shape.skv - 6};  // causal: the last tile is partial
+        prob.Refresh();
+        RunConfig s;
+        s.path = path;
+        s.mask = c.mask;
+        s.softcap = c.softcap;
+        s.blocks = c.blocks;
+        const std::string what = std::string(KernelPathName(path)) + " " + DTypeName(dtype) +
+                                 " h=" + std::to_string(c.shape.h) +
+                                 " d=" + std::to_string(c.shape.d) +
+                                 " dv=" + std::to_string(c.shape.dv);
+        const FlashParams p = prob.Params(s);
+        EXPECT_EQ(kernels::UseDecodeStep(p),
+                  kernels::micro::MicroKernelsFor(path).decode_step != nullptr)
+            << what;
+        EXPECT_FALSE(kernels::UseDecodeStep(p) && kernels::StackedHeads::Applies(p)) << what;
+        const testing::RefForward ref = testing::ReferenceForward(prob.Ref(s));
+        const Result r = ExpectSameOnAnyThreadCount(prob, s, what);
+        ExpectClose(r.out, ref.out, kF32Tol, "out " + what);
+        ExpectClose(r.lse, ref.lse, kF32Tol, "lse " + what);
       }
     }
   }

@@ -292,6 +292,15 @@ int64_t ForwardKvSplits(const Geometry& g);
 inline constexpr int64_t kMaxHeadsTogether = 32;
 int64_t ForwardHeadsTogether(const Geometry& g);
 
+// Whether the forward of p runs in decoding mode: one query row (Sq = 1),
+// f32 or bf16 inputs whose K and V rows have unit inner stride, and a path
+// with a decoding step (micro.h DecodeStepFn: the AVX-512 paths). Work items
+// are then groups of heads as above (whole kv groups), each kv tile one
+// decode_step on K and V in place: no tile copies, 16 keys per vector
+// rather than 1 query lane of 16. GQA calls are then not stacked
+// (StackedHeads::Applies): a group's heads read their kv head's rows from L1.
+bool UseDecodeStep(const FlashParams& p);
+
 // Into how many parts FlashBackward splits each kv head's group of query
 // heads: 1 when there are at least 16 (batch, kv head) pairs, else the
 // smallest divisor of g.group that makes 16 tasks (or the whole group), as

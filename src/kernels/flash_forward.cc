@@ -36,6 +36,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <span>
 #include <vector>
 
@@ -258,9 +259,8 @@ class ForwardCall {
         mk_(micro::MicroKernelsFor(p.path)),
         bf16_(UseBf16Scores(p, mk_)),
         bf16_pv_(UseBf16Pv(p, mk_)),
+        decode_(UseDecodeStep(p)),
         plan_(p, g, /*by_column=*/false),
-        kv_(p, g, KeyFormatFor(p, bf16_, bf16_pv_), plan_.UsesPerKvTile(), pool,
-            /*tile_cache=*/true, p.non_finite != nullptr ? &mk_ : nullptr),
         check_(p.non_finite != nullptr),
         kv_checked_(check_ ? static_cast<size_t>(g.b * g.hkv * g.nkvb) : 0),
         merge_(merge),
@@ -271,6 +271,10 @@ class ForwardCall {
         wstats_(static_cast<size_t>(pool.size())),
         heads_together_(ForwardHeadsTogether(g)),
         splits_(ForwardKvSplits(g)) {
+    if (!decode_) {
+      kv_.emplace(p, g, KeyFormatFor(p, bf16_, bf16_pv_), plan_.UsesPerKvTile(), pool,
+                  /*tile_cache=*/true, p.non_finite != nullptr ? &mk_ : nullptr);
+    }
     if (splits_ > 1) {
       part_out_.resize(static_cast<size_t>(splits_ * g.b * g.sq * g.h * g.dv));
       part_lse_.resize(static_cast<size_t>(splits_ * g.b * g.h * g.sq));
@@ -289,23 +293,27 @@ class ForwardCall {
   // (each head's walk is its own), so this may follow the thread count.
   void Run(KernelStats* stats) {
     const auto workers = static_cast<int64_t>(pool_.size());
-    if (heads_together_ > 1) {
+    if (heads_together_ > 1 || decode_) {
       const int64_t want_chunks = (4 * workers + g_.b * splits_ - 1) / (g_.b * splits_);
-      const int64_t per_item =
+      int64_t per_item =
           std::max<int64_t>(1, std::min(heads_together_, g_.h / std::max<int64_t>(1, want_chunks)));
+      // Decoding: whole groups, so a kv head's rows are read by one item.
+      if (decode_) per_item = std::min(g_.h, RoundUp(per_item, g_.group));
       const int64_t chunks = (g_.h + per_item - 1) / per_item;
       pool_.ParallelFor(g_.b * chunks * splits_, [&](int64_t item, int worker) {
         const int64_t split = item % splits_, chunk = (item / splits_) % chunks;
         const int64_t h0 = chunk * per_item;
-        Heads(item / (splits_ * chunks), h0, std::min(h0 + per_item, g_.h), split, worker);
+        const int64_t b = item / (splits_ * chunks), h1 = std::min(h0 + per_item, g_.h);
+        decode_ ? DecodeHeads(b, h0, h1, split, worker) : Heads(b, h0, h1, split, worker);
       });
       if (splits_ > 1) MergeSplits();
       AddStats(wstats_, stats);
       return;
     }
     const int64_t tasks = g_.b * g_.h * g_.nqb;
-    const int64_t chunk = kv_.tile_cache() ? std::clamp<int64_t>(tasks / (8 * workers), 1, 32)
-                                           : std::clamp<int64_t>(tasks / (16 * workers), 1, kGroup);
+    const int64_t chunk = kv_->tile_cache()
+                              ? std::clamp<int64_t>(tasks / (8 * workers), 1, 32)
+                              : std::clamp<int64_t>(tasks / (16 * workers), 1, kGroup);
     const int64_t runs_per_head = (g_.nqb + chunk - 1) / chunk;
     pool_.ParallelFor(g_.b * g_.h * runs_per_head * splits_, [&](int64_t item, int worker) {
       const int64_t split = item % splits_, run_item = item / splits_;
@@ -444,6 +452,111 @@ class ForwardCall {
     if (stream_) StreamFence();
   }
 
+  // Heads [h0, h1) of batch b in decoding mode (decode_: one query row
+  // each): per kv tile, one mk_.decode_step over the heads that compute it,
+  // on K and V rows in place. As in Heads, each head meets its own tiles in
+  // ascending order, so which heads share an item changes no result. With
+  // the non-finite check, q rows are checked as they are widened, K rows by
+  // the step (a non-finite logit) and V rows by the accumulators (a NaN or
+  // infinity in any V row of a computed tile leaves acc non-finite).
+  void DecodeHeads(int64_t b, int64_t h0, int64_t h1, int64_t split, int worker) {
+    Workspace& ws = Workspace::ForThisThread(g_, bf16_, bf16_pv_);
+    thread_local std::vector<BlockState> states;
+    thread_local std::vector<Walk> walks;
+    thread_local std::vector<micro::DecodeHead> live;
+    thread_local AlignedBuffer<uint16_t> allowed;  // [n][words]: key bits of partial tiles
+    const int64_t n = h1 - h0, words = (g_.bkv + 15) / 16;
+    const auto un = static_cast<size_t>(n);
+    if (states.size() < un) states.resize(un);
+    if (walks.size() < un) walks.resize(un);
+    if (live.size() < un) live.resize(un);
+    Grow(allowed, n * words);
+    WorkerStats& st = wstats_[static_cast<size_t>(worker)];
+    const int64_t kv_lo = split * g_.nkvb / splits_, kv_hi = (split + 1) * g_.nkvb / splits_;
+    const bool bf16 = p_.q.dtype == DType::kBF16;
+    const int64_t elem = bf16 ? 2 : 4;
+    bool bad = false;
+    for (int64_t i = 0; i < n; ++i) {
+      BlockState& s = states[static_cast<size_t>(i)];
+      s.Reserve(g_, /*bf16=*/false, 1);
+      bad |= QueryRow(b, h0 + i, s.qt.data());
+      s.row_max[0] = kNegInf;
+      s.row_sum[0] = 0.0f;
+      std::fill_n(s.acc.data(), g_.dv, 0.0f);
+      Start(walks[static_cast<size_t>(i)], h0 + i, 0, kv_lo);
+    }
+    const auto* k_base = static_cast<const char*>(p_.k.data);
+    const auto* v_base = static_cast<const char*>(p_.v.data);
+    for (int64_t kvb = kv_lo; kvb < kv_hi; ++kvb) {
+      int64_t count = 0;
+      for (int64_t i = 0; i < n; ++i) {
+        Walk& w = walks[static_cast<size_t>(i)];
+        if (w.next != kvb) continue;
+        const int64_t h = h0 + i, kh = h / g_.group;
+        const mask::BlockRun& run = w.runs[w.run_at];
+        Advance(w, kvb);
+        const BlockKind kind = plan_.Refine(run.kind, b, 0, kvb);
+        if (kind == BlockKind::kEmpty) continue;
+        BlockState& s = states[static_cast<size_t>(i)];
+        micro::DecodeHead& dh = live[static_cast<size_t>(count++)];
+        dh.q = s.qt.data();
+        dh.k = k_base + p_.k.Offset(b, kvb * g_.bkv, kh, 0) * elem;
+        dh.v = v_base + p_.v.Offset(b, kvb * g_.bkv, kh, 0) * elem;
+        dh.allowed = nullptr;
+        if (kind == BlockKind::kPartial) {  // query 0's bits of the tile's mask
+          ws.mask.Fill(plan_, mk_, run.kind, h, b, 0, kvb);
+          uint16_t* bits = allowed.data() + i * words;
+          std::fill_n(bits, words, uint16_t{0});
+          const uint16_t* tile = ws.mask.bits();
+          for (int64_t j = 0; j < g_.KvRows(kvb); ++j) {
+            bits[j / 16] |= static_cast<uint16_t>((tile[j * ws.mask.ldm()] & 1u) << (j % 16));
+          }
+          dh.allowed = bits;
+        }
+        dh.acc = s.acc.data();
+        dh.row_max = s.row_max.data();
+        dh.row_sum = s.row_sum.data();
+        Count(st, kind, 0, kvb);
+        ++w.computed;
+      }
+      if (count == 0) continue;
+      const micro::DecodeArgs args{.heads = count,
+                                   .keys = g_.KvRows(kvb),
+                                   .d = g_.d,
+                                   .dv = g_.dv,
+                                   .ldk = p_.k.stride[1],
+                                   .ldv = p_.v.stride[1],
+                                   .bf16 = bf16,
+                                   .scale = p_.scale,
+                                   .softcap = p_.softcap,
+                                   .head = live.data()};
+      bad |= mk_.decode_step(args);
+    }
+    for (int64_t i = 0; i < n; ++i) {
+      const auto at = static_cast<size_t>(i);
+      if (check_) {
+        const float* acc = states[at].acc.data();
+        bad |= !std::all_of(acc, acc + g_.dv, [](float x) { return std::isfinite(x); });
+      }
+      Finish(st, walks[at], kv_hi - kv_lo, b, h0 + i, 0, states[at], split);
+    }
+    if (check_ && bad) p_.non_finite->store(true);
+    if (stream_) StreamFence();
+  }
+
+  // Query row (b, 0, h) as f32 into q[0, d); whether it holds a NaN or an
+  // infinity.
+  bool QueryRow(int64_t b, int64_t h, float* q) const {
+    bool bad = false;
+    for (int64_t c = 0; c < g_.d; ++c) {
+      const int64_t at = p_.q.Offset(b, 0, h, c);
+      q[c] = p_.q.dtype == DType::kBF16 ? BF16ToF32(static_cast<const uint16_t*>(p_.q.data)[at])
+                                        : static_cast<const float*>(p_.q.data)[at];
+      bad |= !std::isfinite(q[c]);
+    }
+    return bad;
+  }
+
   // Each row's partial results of the kv ranges merged in range order
   // (MergePartial), then emitted as FinishRows would have.
   void MergeSplits() {
@@ -492,6 +605,11 @@ class ForwardCall {
     t.scale = p_.scale;
     t.softcap = p_.softcap;
     t.scratch = ws.tile.data();
+    Start(w, h, qb, kv_lo);
+  }
+
+  // Points the walk of (head h, q block qb) at its first kv tile from kv_lo.
+  void Start(Walk& w, int64_t h, int64_t qb, int64_t kv_lo) const {
     w.runs = plan_.map().Runs(h, qb);
     w.run_at = 0;
     while (w.run_at < w.runs.size() && w.runs[w.run_at].end <= kv_lo) ++w.run_at;
@@ -513,13 +631,13 @@ class ForwardCall {
   // asks: in place by the first task that uses the tile, or while a thread
   // copies it (every computed tile is copied by its thread at least once).
   KvTile Fetch(Workspace& ws, int64_t b, int64_t kh, int64_t kvb) {
-    if (check_ && !kv_.tile_cache() &&
+    if (check_ && !kv_->tile_cache() &&
         !kv_checked_[static_cast<size_t>((b * g_.hkv + kh) * g_.nkvb + kvb)].exchange(
             true, std::memory_order_relaxed)) {
-      if (kv_.NonFinite(p_, b, kh, kvb)) p_.non_finite->store(true);
+      if (kv_->NonFinite(p_, b, kh, kvb)) p_.non_finite->store(true);
     }
     bool bad = false;
-    const KvTile kvt = ws.kv_cache.Get(kv_, mk_, b, kh, kvb, check_ ? &bad : nullptr);
+    const KvTile kvt = ws.kv_cache.Get(*kv_, mk_, b, kh, kvb, check_ ? &bad : nullptr);
     if (bad) p_.non_finite->store(true);
     return kvt;
   }
@@ -554,8 +672,8 @@ class ForwardCall {
     }
     if (bf16_) {
       const int64_t d2 = RoundUp(g_.d, 2);
-      mk_.gemm_bf16(n, RoundUp(m, micro::kVec), d2 / 2, kv_.KeysBf16(b, h / g_.group, kvb),
-                    kv_.ldk_bf16(), s.qt_bf16.data(), g_.ld_q, t.pt, t.ldp, nullptr, false);
+      mk_.gemm_bf16(n, RoundUp(m, micro::kVec), d2 / 2, kv_->KeysBf16(b, h / g_.group, kvb),
+                    kv_->ldk_bf16(), s.qt_bf16.data(), g_.ld_q, t.pt, t.ldp, nullptr, false);
       if (bf16_pv_) {  // P straight to bf16 rows for the tile P V
         mk_.softmax_bf16(t, s.row_max.data(), s.row_sum.data(), s.alpha.data(), ws.p_bf16.data(),
                          PvKeys(g_));
@@ -598,8 +716,11 @@ class ForwardCall {
   const micro::MicroKernels& mk_;
   const bool bf16_;
   const bool bf16_pv_;
+  // Decoding mode (UseDecodeStep): items of heads (Heads), each step on K and
+  // V in place by mk_.decode_step; kv_ is then not made (nothing packed).
+  const bool decode_;
   const TilePlan plan_;
-  const KvRows kv_;
+  std::optional<const KvRows> kv_;
   // FlashParams::non_finite: kv tiles read in place are checked once each
   // (kv_checked_: (b, kv head, kvb) claimed by its first user); q rows by
   // their own task.
@@ -650,6 +771,13 @@ void Forward(const FlashParams& p, ThreadPool& pool, bool merge, const OutRows& 
 }
 
 }  // namespace
+
+bool UseDecodeStep(const FlashParams& p) {
+  const DType dt = p.q.dtype;
+  return p.q.shape[1] == 1 && (dt == DType::kF32 || dt == DType::kBF16) &&
+         (p.k.stride[3] == 1 || p.k.shape[3] == 1) && (p.v.stride[3] == 1 || p.v.shape[3] == 1) &&
+         micro::MicroKernelsFor(p.path).decode_step != nullptr;
+}
 
 int64_t ForwardHeadsTogether(const Geometry& g) {
   if (g.nqb != 1 || g.sq > micro::kVec || g.h < 2) return 1;

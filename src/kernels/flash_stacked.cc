@@ -3,12 +3,15 @@
 
 #include <cstring>
 
+#include "src/kernels/flash_common.h"
+
 namespace ringsplash::kernels {
 
 bool StackedHeads::Applies(const FlashParams& p) {
   const int64_t h = p.q.shape[2], hkv = p.k.shape[2], sq = p.q.shape[1];
   const bool head_independent = p.mask == nullptr || p.mask->num_heads() == 0;
-  return hkv > 0 && h > hkv && head_independent && sq > 0 && 2 * sq <= p.blocks.q;
+  return hkv > 0 && h > hkv && head_independent && sq > 0 && 2 * sq <= p.blocks.q &&
+         !UseDecodeStep(p);
 }
 
 StackedHeads::StackedHeads(const FlashParams& p, ThreadPool& pool) : params_(p) {

@@ -34,7 +34,8 @@ namespace ringsplash::kernels {
 class StackedHeads {
  public:
   // Whether p is stacked: more than one query head per kv head, a mask the
-  // same for every head, and Sq at most half a q block.
+  // same for every head, Sq at most half a q block, and not a decoding step
+  // that the decoding kernel takes (UseDecodeStep, flash_common.h).
   static bool Applies(const FlashParams& p);
 
   // Copies q (rows of each batch element in parallel on `pool`).

@@ -196,6 +196,37 @@ using GradOperandsBf16Fn = void (*)(int64_t keys, int64_t queries, const float* 
                                     int64_t ldp, uint16_t* pt_rows, uint16_t* ds_rows, int64_t ldr,
                                     uint16_t* ds_cols, int64_t ldc);
 
+// Decoding (one query row per head, ForwardCall's decode mode): one exact
+// online-softmax step of each of `heads` query rows over `keys` K/V rows read
+// IN PLACE, in chunks of 16 keys, every head's part of a chunk before the
+// next chunk (so the heads' rows, adjacent in [B, S, H, D] tensors, stream
+// from memory together). Per head and chunk of keys j:
+//   x_j = scale * (q . k_j), with softcap > 0 then softcap * tanh(x_j / softcap),
+//   then -inf unless allowed; m_new = max(row_max, max_j x_j);
+//   shift = (m_new == -inf) ? 0 : m_new; p_j = exp(x_j - shift);
+//   alpha = exp(row_max - shift); row_sum = alpha * row_sum + sum_j p_j;
+//   acc = alpha * acc + sum_j p_j v_j; row_max = m_new.
+// Every key of the range is read and multiplied (masked ones with p_j = 0),
+// so a NaN or infinity in any K row shows as a non-finite x_j (returned:
+// true if any x_j before masking was not finite) and one in any V row as a
+// non-finite acc. K and V are f32 or bf16 (`bf16`), unit inner stride.
+struct DecodeHead {
+  const float* q = nullptr;           // [d], f32
+  const void* k = nullptr;            // K row j at k + j * ldk elements
+  const void* v = nullptr;            // V row j at v + j * ldv elements
+  const uint16_t* allowed = nullptr;  // bit j % 16 of allowed[j / 16]: key j allowed; null: all
+  float* acc = nullptr;               // [dv], zero before the first step
+  float* row_max = nullptr;           // -inf before the first step
+  float* row_sum = nullptr;           // 0 before the first step
+};
+struct DecodeArgs {
+  int64_t heads = 0, keys = 0, d = 0, dv = 0, ldk = 0, ldv = 0;
+  bool bf16 = false;
+  float scale = 1.0f, softcap = 0.0f;
+  const DecodeHead* head = nullptr;  // [heads]
+};
+using DecodeStepFn = bool (*)(const DecodeArgs& a);
+
 struct MicroKernels {
   const char* name = "";
   GemmF32Fn gemm_f32 = nullptr;
@@ -214,6 +245,7 @@ struct MicroKernels {
   SoftmaxColumnsFn softmax_columns = nullptr;
   ForwardTileFn forward_tile = nullptr;
   BackwardTileFn backward_tile = nullptr;
+  DecodeStepFn decode_step = nullptr;  // AVX-512 paths only (else the tile loop decodes)
 };
 
 const MicroKernels& PortableMicroKernels();

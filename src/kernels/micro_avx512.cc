@@ -68,6 +68,7 @@ const MicroKernels& Avx512MicroKernels() {
     t.softmax_columns = avx512::SoftmaxColumns;
     t.forward_tile = avx512::ForwardTile;
     t.backward_tile = avx512::BackwardTile;
+    t.decode_step = avx512::DecodeStep;
     return t;
   }();
   return table;

@@ -186,6 +186,7 @@ void SoftmaxColumns(const TileArgs& t, float* row_max, float* row_sum, float* al
 void ForwardTile(const TileArgs& t, float* row_max, float* row_sum, float* alpha);
 void BackwardTile(const BackwardTileArgs& b);
 void BackwardTileStored(const BackwardTileArgs& b);  // micro_fused_bwd_stored_avx512.cc
+bool DecodeStep(const DecodeArgs& a);                // micro_decode_avx512.cc
 }  // namespace avx512
 
 }  // namespace ringsplash::kernels::micro

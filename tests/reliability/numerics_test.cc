@@ -239,30 +239,44 @@ TEST(NumericsPoison, DependentGradientsAreNonFinite) {
 // Decoding-sized calls: 4 query rows of an MQA group run stacked (one head
 // of 16 rows, flash_stacked.h), or of 4 MHA heads taken together kv tile by
 // kv tile (ForwardHeadsTogether), split over ranges of kv tiles
-// (ForwardKvSplits). The NaN/Inf check must still see every row it reads: a
-// NaN key the mask rules out stays out, an infinite value and a NaN query
-// reach exactly their rows.
+// (ForwardKvSplits); one query row runs in decoding mode on the AVX-512
+// paths (UseDecodeStep: its kernel's check is the logits and accumulators it
+// computes). The NaN/Inf check must still see every row it reads: a NaN key
+// or an infinite value the mask rules out stays out — in a tile no query
+// computes, or inside one that is computed (alone: nothing else makes the
+// call redo) — and an infinite value, a key whose logit is -inf (one
+// infinite element against a negative query element: not to be taken for a
+// masked key) and a NaN query reach exactly their rows.
 void StackedOrTogetherDecodingStep(const ProblemSpec& spec) {
-  Rng rng(2025);
-  OwnedInputs in = RandomInputs(rng, spec);
-  Tensor dout = RandomTensor(rng, DType::kF32, OutShape(in));
-  SetRow(in.k, 0, 300, 0, kNaN);  // masked for every query (key > q + 250)
-  SetRow(in.v, 0, 100, 0, kInf);  // seen by every query
   AttentionOptions opt;
-  opt.mask = Mask::Local(std::nullopt, 250);
+  opt.mask = Mask::Local(std::nullopt, 250);  // key <= q + 250; q at 0..3
   opt.block_sizes = {16, 16};
   opt.num_threads = 2;
-  for (const bool inf_value : {true, false}) {
-    if (!inf_value) {  // only a NaN query row: the others stay finite
-      SetRow(in.v, 0, 100, 0, 1.0f);
-      SetRow(in.q, 0, 2, 1, kNaN);
+  const int64_t q_row = std::min<int64_t>(2, spec.sq - 1);
+  for (const std::string scenario :
+       {"masked keys", "masked value", "inf value", "-inf logit", "NaN query"}) {
+    Rng rng(2025);
+    OwnedInputs in = RandomInputs(rng, spec);
+    const Tensor dout = RandomTensor(rng, DType::kF32, OutShape(in));
+    if (scenario == "masked keys") {
+      SetRow(in.k, 0, 300, 0, kNaN);  // in a tile no query computes
+      SetRow(in.k, 0, 255, 0, kNaN);  // in tile [240, 256), computed
     }
+    if (scenario == "masked value") SetRow(in.v, 0, 254, 0, kInf);  // in tile [240, 256)
+    if (scenario == "inf value") SetRow(in.v, 0, 100, 0, kInf);     // seen by every query
+    if (scenario == "-inf logit") {
+      const TensorView k = in.k.view(), q = in.q.view();
+      StoreFromF32(k, k.Offset(0, 120, 0, 0), kInf);
+      StoreFromF32(q, q.Offset(0, q_row, 0, 0), -1.0f);
+    }
+    if (scenario == "NaN query") SetRow(in.q, 0, q_row, 1, kNaN);
     for (KernelPath path : SupportedKernelPaths()) {
       opt.kernel_path = path;
       const ApiResult api = RunAttention(in, opt, &dout);
-      const std::string what = std::string(spec.hkv == 1 ? "stacked" : "heads together") +
-                               " decoding, path " + KernelPathName(path) +
-                               (inf_value ? ", inf value" : ", NaN query");
+      const std::string what = std::string(spec.sq == 1    ? "one row"
+                                           : spec.hkv == 1 ? "stacked"
+                                                           : "heads together") +
+                               " decoding, path " + KernelPathName(path) + ", " + scenario;
       for (const PoisonCheck check : {PoisonCheck::kConfinement, PoisonCheck::kPropagation}) {
         ExpectPoisonRule(in, opt, dout, api, what, check, Outputs::kForward);
       }
@@ -271,8 +285,10 @@ void StackedOrTogetherDecodingStep(const ProblemSpec& spec) {
 }
 
 TEST(NumericsPoison, StackedAndSplitDecodingSteps) {
-  for (const int64_t hkv : {1, 4}) {
-    StackedOrTogetherDecodingStep(ProblemSpec(1, 4, 400, 4, hkv, 16, 16));
+  for (const int64_t sq : {4, 1}) {
+    for (const int64_t hkv : {1, 4}) {
+      StackedOrTogetherDecodingStep(ProblemSpec(1, sq, 400, 4, hkv, 16, 16));
+    }
   }
 }
 
