@@ -1,6 +1,7 @@
 // Google Benchmark micro-benchmarks of the flash kernels: the micro-kernels
 // (QK^T and PV products, online softmax, probabilities, packing) on one tile,
-// and the whole single-head FlashForward / FlashBackward loops on one thread.
+// the decoding step, and the whole single-head FlashForward / FlashBackward
+// loops on one thread.
 //
 // Every benchmark reports a FLOPS counter (rate over CPU time of the timing
 // thread, which stays meaningful on a loaded machine) with the same FLOP
@@ -132,6 +133,70 @@ struct Tile {
     mk.forward_tile(Args(scale), row_max.data(), row_sum.data(), alpha.data());
   }
 };
+
+// The decoding step (micro.h DecodeStepFn) of 8 query heads over one kv
+// tile of `keys` keys read in place from [S, Hkv, D] rows, `group` heads per
+// kv head (1: MHA; 8: all eight share one kv head's rows), f32 or bf16 K/V,
+// D = Dv = 128; the state is reset every iteration (the first step's work
+// equals any later one's). The rows stay in L1/L2 here, so this is the
+// kernel's arithmetic rate; a real step at long Skv is bound by reading K
+// and V (docs/PERFORMANCE.md, Decoding). FLOPs 4 D keys per head; KVBytes
+// the bytes of K and V the step reads.
+// Args: path, group, bf16 (0/1), keys.
+void BM_DecodeStep(benchmark::State& state) {
+  const auto path = static_cast<KernelPath>(state.range(0));
+  const MicroKernels* mk = KernelsOr(state, path);
+  if (mk == nullptr) return;
+  if (mk->decode_step == nullptr) {
+    state.SkipWithError("no decoding step on this path");
+    return;
+  }
+  constexpr int64_t kHeads = 8, kD = 128;
+  const int64_t group = state.range(1), keys = state.range(3);
+  const bool bf16 = state.range(2) != 0;
+  const int64_t hkv = kHeads / group, ld = hkv * kD, elems = keys * ld;
+  AlignedBuffer<float> k32(elems), v32(elems), q(kHeads * kD), acc(kHeads * kD);
+  AlignedBuffer<float> row_max(kHeads), row_sum(kHeads);
+  AlignedBuffer<uint16_t> k16(elems), v16(elems);
+  FillF32(k32.data(), k32.size(), 11);
+  FillF32(v32.data(), v32.size(), 12);
+  FillF32(q.data(), q.size(), 13);
+  FillBf16(k16.data(), k16.size(), 11);
+  FillBf16(v16.data(), v16.size(), 12);
+  const size_t elem = bf16 ? sizeof(uint16_t) : sizeof(float);
+  const auto* kb = bf16 ? static_cast<const void*>(k16.data()) : k32.data();
+  const auto* vb = bf16 ? static_cast<const void*>(v16.data()) : v32.data();
+  std::vector<kernels::micro::DecodeHead> heads(kHeads);
+  for (int64_t h = 0; h < kHeads; ++h) {
+    const int64_t off = (h / group) * kD * static_cast<int64_t>(elem);
+    heads[h].q = q.data() + h * kD;
+    heads[h].k = static_cast<const char*>(kb) + off;
+    heads[h].v = static_cast<const char*>(vb) + off;
+    heads[h].acc = acc.data() + h * kD;
+    heads[h].row_max = row_max.data() + h;
+    heads[h].row_sum = row_sum.data() + h;
+  }
+  const kernels::micro::DecodeArgs args{.heads = kHeads,
+                                        .keys = keys,
+                                        .d = kD,
+                                        .dv = kD,
+                                        .ldk = ld,
+                                        .ldv = ld,
+                                        .bf16 = bf16,
+                                        .scale = 1.0f / std::sqrt(static_cast<float>(kD)),
+                                        .softcap = 0.0f,
+                                        .head = heads.data()};
+  for (auto _ : state) {
+    std::fill_n(acc.data(), acc.size(), 0.0f);
+    std::fill_n(row_max.data(), kHeads, -std::numeric_limits<float>::infinity());
+    std::fill_n(row_sum.data(), kHeads, 0.0f);
+    benchmark::DoNotOptimize(mk->decode_step(args));
+    benchmark::ClobberMemory();
+  }
+  SetFlops(state, 4.0 * kD * keys * kHeads);
+  state.counters["KVBytes"] = benchmark::Counter(2.0 * static_cast<double>(elems * elem),
+                                                 benchmark::Counter::kIsIterationInvariantRate);
+}
 
 // Args of the tile benchmarks: path, bq (queries), bkv (keys), d.
 void TileArgsOf(benchmark::internal::Benchmark* b) {
@@ -506,6 +571,9 @@ void FlashArgs(benchmark::internal::Benchmark* b) {
 }
 
 BENCHMARK(BM_GemmScores)->Apply(TileArgsOf);
+BENCHMARK(BM_DecodeStep)
+    ->ArgsProduct({{static_cast<int64_t>(KernelPath::kAvx512)}, {1, 8}, {0, 1}, {256}})
+    ->ArgNames({"path", "group", "bf16", "keys"});
 BENCHMARK(BM_GemmPV)->Apply(TileArgsOf);
 BENCHMARK(BM_GemmPVStride)->Arg(144)->Arg(128)->Arg(256)->Arg(1024)->Arg(1040);
 BENCHMARK(BM_ForwardTile)->Apply(TileArgsOf);
