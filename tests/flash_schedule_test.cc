@@ -430,8 +430,9 @@ TEST(FlashTest, HeadsTogetherMatchReferenceOnAnyThreadCount) {
        Mask::PerHead({Mask::Local(100, 0), Mask::Full(), Mask::Causal(), Mask::Causal(-300)}),
        4,
        4},
-      // Stacked GQA: 2 kv heads x 4 query heads x 2 rows = 8 rows per head.
-      {{1, 2, 260, 8, 2, 16, 16}, Mask::Causal(), 2, 2},
+      // Stacked GQA: 2 kv heads x 4 query heads x 3 rows = 12 rows per head
+      // (more than decoding mode takes, UseDecodeStep).
+      {{1, 3, 260, 8, 2, 16, 16}, Mask::Causal(), 2, 2},
       // Not decoding-shaped: 17 rows per head, or one head.
       {{1, 17, 200, 4, 4, 16, 16}, Mask::Causal(), 1, 1},
       {{1, 1, 200, 1, 1, 16, 16}, Mask::Causal(), 1, 1},
@@ -459,35 +460,45 @@ TEST(FlashTest, HeadsTogetherMatchReferenceOnAnyThreadCount) {
   }
 }
 
-// Decoding steps (one query row) on the paths with a decoding kernel run in
-// decoding mode (UseDecodeStep: K and V read in place, 16 keys per vector):
-// D and Dv that are no multiple of 16 and Dv over 64 (the kernel's column
-// tails), key counts that are no multiple of 16 (its key tail), GQA and MQA
-// (no longer stacked), partial tiles (the query sits 5 keys before the end
-// of the cache), per-head masks (one head sees no key at all: out 0,
-// lse -inf), packed documents, a soft cap over large logits, [B, H, S, D]
-// views, one head, more heads per kv head than the kernel takes at once. On every path and dtype against the reference within
-// kF32Tol — the decoding kernel never rounds P, so bf16 inputs (exact in
-// f32) get the f32 bound too — and bitwise the same on 1 to 3 threads.
+// Decoding steps (up to 8 query rows per kv head: one token with GQA, a few
+// with MHA) on the paths with a decoding kernel run in decoding mode
+// (UseDecodeStep: K and V read in place, 16 keys per vector): D and Dv that
+// are no multiple of 16 and Dv over 64 (the kernel's column tails), key
+// counts that are no multiple of 16 (its key tail), GQA and MQA (no longer
+// stacked), several rows per head that see different keys of a partial
+// tile (the last query sits 5 keys before the end of the cache), per-head
+// masks (one head sees no key at all: out 0, lse -inf), packed documents, a
+// soft cap over large logits, [B, H, S, D] views, one head; and calls with
+// more rows per kv head, which keep the tile loop. On every path and dtype
+// against the reference within kF32Tol — the decoding kernel never rounds
+// P, so bf16 inputs (exact in f32) get the f32 bound too — and bitwise the
+// same on 1 to 3 threads.
 TEST(FlashTest, DecodingStepsMatchReferenceOnAnyThreadCount) {
   struct Case {
     Shape shape;
     Mask mask;
+    bool decode;  // decoding mode where the path has a decoding kernel
     float softcap = 0.0f;
     bool bhsd = false;
     double qk_range = 1.0;
     BlockSizes blocks{16, 48};
   };
   const std::vector<Case> cases = {
-      {{1, 1, 203, 3, 3, 40, 72}, Mask::Causal()},
-      {{2, 1, 300, 4, 4, 24, 200}, Mask::Causal() & Mask::Local(60, 0)},
-      {{1, 1, 500, 8, 2, 64, 64}, Mask::Causal(), 20.0f, false, 4.0},
+      {{1, 1, 203, 3, 3, 40, 72}, Mask::Causal(), true},
+      {{1, 4, 203, 3, 3, 40, 72}, Mask::Causal(), true},
+      {{2, 1, 300, 4, 4, 24, 200}, Mask::Causal() & Mask::Local(60, 0), true},
+      {{2, 4, 300, 4, 2, 24, 200}, Mask::Causal() & Mask::Local(60, 0), true},
+      {{1, 1, 500, 8, 2, 64, 64}, Mask::Causal(), true, 20.0f, false, 4.0},
       {{1, 1, 260, 4, 1, 16, 16},
-       Mask::PerHead({Mask::Causal(), Mask::Full(), Mask::Local(30, 0), Mask::Causal(-300)})},
-      {{1, 1, 333, 4, 2, 32, 32}, Mask::Causal(), 0.0f, true, 1.0, {16, 32}},
-      {{1, 1, 100, 1, 1, 16, 16}, Mask::Full(), 0.0f, false, 1.0, {16, 16}},
-      // 12 heads per kv head: the kernel takes them 8 and 4 at a time.
-      {{1, 1, 150, 12, 1, 16, 16}, Mask::Causal()},
+       Mask::PerHead({Mask::Causal(), Mask::Full(), Mask::Local(30, 0), Mask::Causal(-300)}),
+       true},
+      {{1, 2, 333, 4, 2, 32, 32}, Mask::Causal(), true, 0.0f, true, 1.0, {16, 32}},
+      {{1, 1, 100, 1, 1, 16, 16}, Mask::Full(), true, 0.0f, false, 1.0, {16, 16}},
+      {{1, 8, 100, 2, 2, 16, 16}, Mask::Causal(), true, 0.0f, false, 1.0, {8, 16}},
+      // More rows per kv head than the kernel takes at once, or than a q block.
+      {{1, 1, 150, 12, 1, 16, 16}, Mask::Causal(), false},
+      {{1, 3, 150, 8, 2, 16, 16}, Mask::Causal(), false},
+      {{1, 4, 150, 2, 2, 16, 16}, Mask::Causal(), false, 0.0f, false, 1.0, {2, 16}},
   };
   uint64_t seed = 1500;
   for (const Case& c : cases) {
@@ -497,25 +508,34 @@ TEST(FlashTest, DecodingStepsMatchReferenceOnAnyThreadCount) {
         spec.bhsd = c.bhsd;
         spec.qk_range = c.qk_range;
         Problem prob(++seed, spec);
-        prob.owned().q_pos = {c.shape.skv - 6};  // causal: the last tile is partial
+        prob.owned().q_pos = Iota(c.shape.sq);  // the last row 5 keys before the end
+        for (int64_t& x : prob.owned().q_pos) x += c.shape.skv - c.shape.sq - 5;
         prob.Refresh();
         RunConfig s;
         s.path = path;
         s.mask = c.mask;
         s.softcap = c.softcap;
         s.blocks = c.blocks;
-        const std::string what = std::string(KernelPathName(path)) + " " + DTypeName(dtype) +
-                                 " h=" + std::to_string(c.shape.h) +
-                                 " d=" + std::to_string(c.shape.d) +
-                                 " dv=" + std::to_string(c.shape.dv);
+        const std::string what =
+            std::string(KernelPathName(path)) + " " + DTypeName(dtype) +
+            " sq=" + std::to_string(c.shape.sq) + " h=" + std::to_string(c.shape.h) +
+            " hkv=" + std::to_string(c.shape.hkv) + " d=" + std::to_string(c.shape.d) +
+            " dv=" + std::to_string(c.shape.dv);
         const FlashParams p = prob.Params(s);
         EXPECT_EQ(kernels::UseDecodeStep(p),
-                  kernels::micro::MicroKernelsFor(path).decode_step != nullptr)
+                  c.decode && kernels::micro::MicroKernelsFor(path).decode_step != nullptr)
             << what;
         EXPECT_FALSE(kernels::UseDecodeStep(p) && kernels::StackedHeads::Applies(p)) << what;
         const testing::RefForward ref = testing::ReferenceForward(prob.Ref(s));
         const Result r = ExpectSameOnAnyThreadCount(prob, s, what);
-        ExpectClose(r.out, ref.out, kF32Tol, "out " + what);
+        // Rows stacked or run by the tile loop with P rounded to bf16 (the
+        // amx path): CheckAgainstReference's bound; decoding mode: kF32Tol.
+        double tol = kF32Tol;
+        if (!kernels::UseDecodeStep(p) && dtype == DType::kBF16 && RoundsP(path)) {
+          tol = 2 * kF32Tol + std::ldexp(testing::MaxAbs(prob.Ref(s).v), -8) /
+                                  std::max(1e-30, testing::MaxAbs(ref.out));
+        }
+        ExpectClose(r.out, ref.out, tol, "out " + what);
         ExpectClose(r.lse, ref.lse, kF32Tol, "lse " + what);
       }
     }

@@ -292,13 +292,17 @@ int64_t ForwardKvSplits(const Geometry& g);
 inline constexpr int64_t kMaxHeadsTogether = 32;
 int64_t ForwardHeadsTogether(const Geometry& g);
 
-// Whether the forward of p runs in decoding mode: one query row (Sq = 1),
+// Whether the forward of p runs in decoding mode: Sq rows per head in one q
+// block with at most micro::kMaxDecodeShare rows per kv head (Sq x group:
+// one token with up to 8 query heads per kv head, up to 8 tokens of MHA),
 // f32 or bf16 inputs whose K and V rows have unit inner stride, and a path
 // with a decoding step (micro.h DecodeStepFn: the AVX-512 paths). Work items
 // are then groups of heads as above (whole kv groups), each kv tile one
 // decode_step on K and V in place: no tile copies, 16 keys per vector
-// rather than 1 query lane of 16. GQA calls are then not stacked
-// (StackedHeads::Applies): a group's heads read their kv head's rows from L1.
+// rather than 1 query lane of 16 per row. Such GQA calls are not stacked
+// (StackedHeads::Applies): a kv head's rows are loaded once for all its
+// query rows. With more rows per kv head the stacked tile loop is faster
+// (H = 64, Hkv = 4, one token: 8.7 ms stacked, 11.5 ms decoding, f32).
 bool UseDecodeStep(const FlashParams& p);
 
 // Into how many parts FlashBackward splits each kv head's group of query

@@ -452,9 +452,11 @@ class ForwardCall {
     if (stream_) StreamFence();
   }
 
-  // Heads [h0, h1) of batch b in decoding mode (decode_: one query row
-  // each): per kv tile, one mk_.decode_step over the heads that compute it,
-  // on K and V rows in place. As in Heads, each head meets its own tiles in
+  // Heads [h0, h1) of batch b in decoding mode (decode_: m = Sq rows per
+  // head, one q block): per kv tile, one mk_.decode_step over the rows of
+  // the heads that compute it (entry i * m + r: row r of head h0 + i, so the
+  // rows of one kv head are adjacent and the step takes them together), on
+  // K and V rows in place. As in Heads, each head meets its own tiles in
   // ascending order, so which heads share an item changes no result. With
   // the non-finite check, q rows are checked as they are widened, K rows by
   // the step (a non-finite logit) and V rows by the accumulators (a NaN or
@@ -464,13 +466,13 @@ class ForwardCall {
     thread_local std::vector<BlockState> states;
     thread_local std::vector<Walk> walks;
     thread_local std::vector<micro::DecodeHead> live;
-    thread_local AlignedBuffer<uint16_t> allowed;  // [n][words]: key bits of partial tiles
-    const int64_t n = h1 - h0, words = (g_.bkv + 15) / 16;
+    thread_local AlignedBuffer<uint16_t> allowed;  // [n * m][words]: key bits of partial tiles
+    const int64_t n = h1 - h0, m = g_.QRows(0), words = (g_.bkv + 15) / 16;
     const auto un = static_cast<size_t>(n);
     if (states.size() < un) states.resize(un);
     if (walks.size() < un) walks.resize(un);
-    if (live.size() < un) live.resize(un);
-    Grow(allowed, n * words);
+    if (live.size() < un * static_cast<size_t>(m)) live.resize(un * static_cast<size_t>(m));
+    Grow(allowed, n * m * words);
     WorkerStats& st = wstats_[static_cast<size_t>(worker)];
     const int64_t kv_lo = split * g_.nkvb / splits_, kv_hi = (split + 1) * g_.nkvb / splits_;
     const bool bf16 = p_.q.dtype == DType::kBF16;
@@ -478,16 +480,19 @@ class ForwardCall {
     bool bad = false;
     for (int64_t i = 0; i < n; ++i) {
       BlockState& s = states[static_cast<size_t>(i)];
-      s.Reserve(g_, /*bf16=*/false, 1);
-      bad |= QueryRow(b, h0 + i, s.qt.data());
-      s.row_max[0] = kNegInf;
-      s.row_sum[0] = 0.0f;
-      std::fill_n(s.acc.data(), g_.dv, 0.0f);
+      s.Reserve(g_, /*bf16=*/false, m);  // qt: d * ld_q >= m * d floats
+      for (int64_t r = 0; r < m; ++r) {
+        bad |= QueryRow(b, r, h0 + i, s.qt.data() + r * g_.d);
+        s.row_max[r] = kNegInf;
+        s.row_sum[r] = 0.0f;
+        std::fill_n(s.acc.data() + r * g_.ld_dv, g_.dv, 0.0f);
+      }
       Start(walks[static_cast<size_t>(i)], h0 + i, 0, kv_lo);
     }
     const auto* k_base = static_cast<const char*>(p_.k.data);
     const auto* v_base = static_cast<const char*>(p_.v.data);
     for (int64_t kvb = kv_lo; kvb < kv_hi; ++kvb) {
+      const int64_t keys = g_.KvRows(kvb);
       int64_t count = 0;
       for (int64_t i = 0; i < n; ++i) {
         Walk& w = walks[static_cast<size_t>(i)];
@@ -497,31 +502,38 @@ class ForwardCall {
         Advance(w, kvb);
         const BlockKind kind = plan_.Refine(run.kind, b, 0, kvb);
         if (kind == BlockKind::kEmpty) continue;
-        BlockState& s = states[static_cast<size_t>(i)];
-        micro::DecodeHead& dh = live[static_cast<size_t>(count++)];
-        dh.q = s.qt.data();
-        dh.k = k_base + p_.k.Offset(b, kvb * g_.bkv, kh, 0) * elem;
-        dh.v = v_base + p_.v.Offset(b, kvb * g_.bkv, kh, 0) * elem;
-        dh.allowed = nullptr;
-        if (kind == BlockKind::kPartial) {  // query 0's bits of the tile's mask
+        const uint16_t* tile = nullptr;  // the tile's mask bits (partial tiles)
+        if (kind == BlockKind::kPartial) {
           ws.mask.Fill(plan_, mk_, run.kind, h, b, 0, kvb);
-          uint16_t* bits = allowed.data() + i * words;
-          std::fill_n(bits, words, uint16_t{0});
-          const uint16_t* tile = ws.mask.bits();
-          for (int64_t j = 0; j < g_.KvRows(kvb); ++j) {
-            bits[j / 16] |= static_cast<uint16_t>((tile[j * ws.mask.ldm()] & 1u) << (j % 16));
-          }
-          dh.allowed = bits;
+          tile = ws.mask.bits();
         }
-        dh.acc = s.acc.data();
-        dh.row_max = s.row_max.data();
-        dh.row_sum = s.row_sum.data();
+        BlockState& s = states[static_cast<size_t>(i)];
+        for (int64_t r = 0; r < m; ++r) {
+          micro::DecodeHead& dh = live[static_cast<size_t>(count++)];
+          dh.q = s.qt.data() + r * g_.d;
+          dh.k = k_base + p_.k.Offset(b, kvb * g_.bkv, kh, 0) * elem;
+          dh.v = v_base + p_.v.Offset(b, kvb * g_.bkv, kh, 0) * elem;
+          dh.allowed = nullptr;
+          if (tile != nullptr) {  // row r's bits of the transposed tile mask
+            uint16_t* bits = allowed.data() + (i * m + r) * words;
+            std::fill_n(bits, words, uint16_t{0});
+            const int64_t ldm = ws.mask.ldm();
+            for (int64_t j = 0; j < keys; ++j) {
+              const unsigned bit = (tile[j * ldm + r / 16] >> (r % 16)) & 1u;
+              bits[j / 16] |= static_cast<uint16_t>(bit << (j % 16));
+            }
+            dh.allowed = bits;
+          }
+          dh.acc = s.acc.data() + r * g_.ld_dv;
+          dh.row_max = s.row_max.data() + r;
+          dh.row_sum = s.row_sum.data() + r;
+        }
         Count(st, kind, 0, kvb);
         ++w.computed;
       }
       if (count == 0) continue;
       const micro::DecodeArgs args{.heads = count,
-                                   .keys = g_.KvRows(kvb),
+                                   .keys = keys,
                                    .d = g_.d,
                                    .dv = g_.dv,
                                    .ldk = p_.k.stride[1],
@@ -535,8 +547,10 @@ class ForwardCall {
     for (int64_t i = 0; i < n; ++i) {
       const auto at = static_cast<size_t>(i);
       if (check_) {
-        const float* acc = states[at].acc.data();
-        bad |= !std::all_of(acc, acc + g_.dv, [](float x) { return std::isfinite(x); });
+        for (int64_t r = 0; r < m; ++r) {
+          const float* acc = states[at].acc.data() + r * g_.ld_dv;
+          bad |= !std::all_of(acc, acc + g_.dv, [](float x) { return std::isfinite(x); });
+        }
       }
       Finish(st, walks[at], kv_hi - kv_lo, b, h0 + i, 0, states[at], split);
     }
@@ -544,12 +558,12 @@ class ForwardCall {
     if (stream_) StreamFence();
   }
 
-  // Query row (b, 0, h) as f32 into q[0, d); whether it holds a NaN or an
+  // Query row (b, i, h) as f32 into q[0, d); whether it holds a NaN or an
   // infinity.
-  bool QueryRow(int64_t b, int64_t h, float* q) const {
+  bool QueryRow(int64_t b, int64_t i, int64_t h, float* q) const {
     bool bad = false;
     for (int64_t c = 0; c < g_.d; ++c) {
-      const int64_t at = p_.q.Offset(b, 0, h, c);
+      const int64_t at = p_.q.Offset(b, i, h, c);
       q[c] = p_.q.dtype == DType::kBF16 ? BF16ToF32(static_cast<const uint16_t*>(p_.q.data)[at])
                                         : static_cast<const float*>(p_.q.data)[at];
       bad |= !std::isfinite(q[c]);
@@ -774,8 +788,11 @@ void Forward(const FlashParams& p, ThreadPool& pool, bool merge, const OutRows& 
 
 bool UseDecodeStep(const FlashParams& p) {
   const DType dt = p.q.dtype;
-  return p.q.shape[1] == 1 && (dt == DType::kF32 || dt == DType::kBF16) &&
-         (p.k.stride[3] == 1 || p.k.shape[3] == 1) && (p.v.stride[3] == 1 || p.v.shape[3] == 1) &&
+  const int64_t sq = p.q.shape[1], h = p.q.shape[2], hkv = p.k.shape[2];
+  const int64_t group = hkv > 0 ? std::max<int64_t>(1, h / hkv) : 1;
+  return sq >= 1 && sq <= p.blocks.q && sq * group <= micro::kMaxDecodeShare &&
+         (dt == DType::kF32 || dt == DType::kBF16) && (p.k.stride[3] == 1 || p.k.shape[3] == 1) &&
+         (p.v.stride[3] == 1 || p.v.shape[3] == 1) &&
          micro::MicroKernelsFor(p.path).decode_step != nullptr;
 }
 

@@ -196,11 +196,15 @@ using GradOperandsBf16Fn = void (*)(int64_t keys, int64_t queries, const float* 
                                     int64_t ldp, uint16_t* pt_rows, uint16_t* ds_rows, int64_t ldr,
                                     uint16_t* ds_cols, int64_t ldc);
 
-// Decoding (one query row per head, ForwardCall's decode mode): one exact
-// online-softmax step of each of `heads` query rows over `keys` K/V rows read
-// IN PLACE, in chunks of 16 keys, every head's part of a chunk before the
-// next chunk (so the heads' rows, adjacent in [B, S, H, D] tensors, stream
-// from memory together). Per head and chunk of keys j:
+// Decoding (ForwardCall's decoding mode: a few query rows per head): one
+// exact online-softmax step of each of `heads` query rows (DecodeHead: one
+// row of one head) over `keys` K/V rows read IN PLACE, in chunks of 16 keys,
+// every row's part of a chunk before the next chunk (so the rows of a token
+// for all the heads, adjacent in [B, S, H, D] tensors, stream from memory
+// together). Adjacent entries with the same k and v (the rows of one head,
+// the heads of one kv head) are taken together, up to kMaxDecodeShare at a
+// time: each K and V vector is loaded once for them. Per entry and chunk of
+// keys j:
 //   x_j = scale * (q . k_j), with softcap > 0 then softcap * tanh(x_j / softcap),
 //   then -inf unless allowed; m_new = max(row_max, max_j x_j);
 //   shift = (m_new == -inf) ? 0 : m_new; p_j = exp(x_j - shift);
@@ -210,6 +214,7 @@ using GradOperandsBf16Fn = void (*)(int64_t keys, int64_t queries, const float* 
 // so a NaN or infinity in any K row shows as a non-finite x_j (returned:
 // true if any x_j before masking was not finite) and one in any V row as a
 // non-finite acc. K and V are f32 or bf16 (`bf16`), unit inner stride.
+constexpr int64_t kMaxDecodeShare = 8;
 struct DecodeHead {
   const float* q = nullptr;           // [d], f32
   const void* k = nullptr;            // K row j at k + j * ldk elements

@@ -1,16 +1,18 @@
-// The decoding step for AVX-512 (micro.h DecodeStepFn): one query row per
-// head, K and V rows read in place, 16 keys at a time.
+// The decoding step for AVX-512 (micro.h DecodeStepFn): a few query rows
+// per head, K and V rows read in place, 16 keys at a time.
 //
 // Why its own kernel: a decoding step is bound by reading K and V once (0.5
-// FLOP per byte), and the tile loop spends most of it elsewhere — it copies
-// each head's strided rows into a per-thread tile (one more write and read
-// of every byte) and its transposed score tile fills 1 of 16 query lanes.
-// Here the 16 scores of a chunk are 16 dot products over D (reduced by one
-// 16 x 16 transpose), the softmax step is exact per chunk (16 lanes: no
-// lazy rescaling needed), and P V adds 16 rows into acc in registers; every
-// head's part of a chunk is done before the next chunk, so the K (then V)
-// rows of a token for all the heads of a work item — adjacent in [B, S, H,
-// D] tensors — are read as one stretch of memory.
+// FLOP per byte and query row), and the tile loop spends most of it
+// elsewhere — it copies each head's strided rows into a per-thread tile (one
+// more write and read of every byte) and its transposed score tile fills 1
+// of 16 query lanes per row. Here the 16 scores of a chunk are 16 dot
+// products over D (reduced by one 16 x 16 transpose), the softmax step is
+// exact per chunk (16 lanes: no lazy rescaling needed), and P V adds 16 rows
+// into acc in registers; every row's part of a chunk is done before the next
+// chunk, so the K (then V) rows of a token for all the heads of a work item
+// — adjacent in [B, S, H, D] tensors — are read as one stretch of memory.
+// Entries sharing K/V rows (rows of one head, heads of one kv head) load
+// each vector once for up to kMaxDecodeShare of them.
 // GCC 12's AVX-512 intrinsic headers initialise "undefined" operands from
 // themselves, which -W(maybe-)uninitialized reports at every inlined use (GCC
 // bug 105593, fixed in later releases); the warning is meaningless here.
@@ -46,7 +48,7 @@ RINGSPLASH_INLINE __m512 Load16(const T* src, __mmask16 live) {
   }
 }
 
-constexpr int kMaxShare = 8;  // heads of one kv head done together
+constexpr int kMaxShare = static_cast<int>(kMaxDecodeShare);  // entries done together
 
 // Heads sharing rows (G >= 2) do G times the arithmetic per byte, which
 // leaves the out-of-order window too few loads in flight to cover memory
