@@ -287,8 +287,9 @@ int64_t ForwardKvSplits(const Geometry& g);
 // read 512 of every 16 KiB (MHA, H = 32, D = 128) across the whole cache,
 // at about half the memory bandwidth. 1 (one head per item) otherwise. At
 // most kMaxHeadsTogether, which bounds the per-thread state (a Q^T tile and
-// an accumulator per head). A function of the shapes only: ForwardKvSplits
-// counts items with it.
+// an accumulator per head); in decoding mode (UseDecodeStep) items are
+// rounded up to whole kv groups and may hold more (state sized at run time). A function of the
+// shapes only: ForwardKvSplits counts items with it.
 inline constexpr int64_t kMaxHeadsTogether = 32;
 int64_t ForwardHeadsTogether(const Geometry& g);
 

@@ -8,7 +8,9 @@
 // tiles when there are few (ForwardKvSplits: partial results merged in range
 // order), and in decoding-shaped calls taking up to kMaxHeadsTogether heads
 // tile by tile (ForwardHeadsTogether: all heads' K/V rows read in one
-// sweep); each packs its Q block once as Q^T
+// sweep) — on the AVX-512 paths, with few rows per kv head, in decoding mode
+// (UseDecodeStep, DecodeHeads: the decoding step on K and V in place, no
+// tiles). Otherwise each task packs its Q block once as Q^T
 // (lanes = queries) and walks the non-empty kv tiles of its block-map row in
 // the transposed layout of micro.h:
 //   P^T = softmax step of (K Q^T)^T   (fused, lazily rescaled: ForwardTileFn)
@@ -262,7 +264,7 @@ class ForwardCall {
         decode_(UseDecodeStep(p)),
         plan_(p, g, /*by_column=*/false),
         check_(p.non_finite != nullptr),
-        kv_checked_(check_ ? static_cast<size_t>(g.b * g.hkv * g.nkvb) : 0),
+        kv_checked_(check_ && !decode_ ? static_cast<size_t>(g.b * g.hkv * g.nkvb) : 0),
         merge_(merge),
         stream_(!merge && out.f32 != nullptr && g.b * g.sq * g.h * g.dv >= kStreamMinFloats),
         out_(out),
@@ -290,7 +292,9 @@ class ForwardCall {
   // Decoding-shaped calls (heads_together_ > 1) instead have items of up to
   // heads_together_ heads of one kv range (Heads), as few heads as it takes
   // for >= 4 items per worker: which heads share an item changes no result
-  // (each head's walk is its own), so this may follow the thread count.
+  // (each head's walk is its own), so this may follow the thread count. In
+  // decoding mode (decode_, any number of heads) items are rounded up to
+  // whole kv groups (DecodeHeads), so each kv head's rows are read by one.
   void Run(KernelStats* stats) {
     const auto workers = static_cast<int64_t>(pool_.size());
     if (heads_together_ > 1 || decode_) {
@@ -459,8 +463,9 @@ class ForwardCall {
   // K and V rows in place. As in Heads, each head meets its own tiles in
   // ascending order, so which heads share an item changes no result. With
   // the non-finite check, q rows are checked as they are widened, K rows by
-  // the step (a non-finite logit) and V rows by the accumulators (a NaN or
-  // infinity in any V row of a computed tile leaves acc non-finite).
+  // the step (a non-finite product q . k, before scale and soft cap) and V
+  // rows by the accumulators (a NaN or infinity in any V row of a computed
+  // tile leaves acc non-finite).
   void DecodeHeads(int64_t b, int64_t h0, int64_t h1, int64_t split, int worker) {
     Workspace& ws = Workspace::ForThisThread(g_, bf16_, bf16_pv_);
     thread_local std::vector<BlockState> states;
@@ -730,8 +735,9 @@ class ForwardCall {
   const micro::MicroKernels& mk_;
   const bool bf16_;
   const bool bf16_pv_;
-  // Decoding mode (UseDecodeStep): items of heads (Heads), each step on K and
-  // V in place by mk_.decode_step; kv_ is then not made (nothing packed).
+  // Decoding mode (UseDecodeStep): items of whole kv groups (DecodeHeads),
+  // each step on K and V in place by mk_.decode_step; kv_ is then not made
+  // (nothing packed).
   const bool decode_;
   const TilePlan plan_;
   std::optional<const KvRows> kv_;

@@ -211,9 +211,10 @@ using GradOperandsBf16Fn = void (*)(int64_t keys, int64_t queries, const float* 
 //   alpha = exp(row_max - shift); row_sum = alpha * row_sum + sum_j p_j;
 //   acc = alpha * acc + sum_j p_j v_j; row_max = m_new.
 // Every key of the range is read and multiplied (masked ones with p_j = 0),
-// so a NaN or infinity in any K row shows as a non-finite x_j (returned:
-// true if any x_j before masking was not finite) and one in any V row as a
-// non-finite acc. K and V are f32 or bf16 (`bf16`), unit inner stride.
+// so a NaN or infinity in any K row shows as a non-finite product q . k_j
+// (returned: true if any was not finite; checked before the scale and the
+// soft cap, whose tanh maps +-inf and NaN to finite values) and one in any V
+// row as a non-finite acc. K and V are f32 or bf16 (`bf16`), unit inner stride.
 constexpr int64_t kMaxDecodeShare = 8;
 struct DecodeHead {
   const float* q = nullptr;           // [d], f32

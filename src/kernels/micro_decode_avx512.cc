@@ -49,6 +49,7 @@ RINGSPLASH_INLINE __m512 Load16(const T* src, __mmask16 live) {
 }
 
 constexpr int kMaxShare = static_cast<int>(kMaxDecodeShare);  // entries done together
+static_assert(kMaxShare == 8, "Step dispatches runs of 1 to 8 entries");
 
 // Heads sharing rows (G >= 2) do G times the arithmetic per byte, which
 // leaves the out-of-order window too few loads in flight to cover memory
@@ -68,7 +69,7 @@ RINGSPLASH_INLINE void PrefetchRow(const T* row, int64_t ahead, int64_t bytes) {
   for (int64_t o = 0; o < bytes; o += 64) {
     _mm_prefetch(reinterpret_cast<const char*>(at + static_cast<uintptr_t>(o)), _MM_HINT_T0);
   }
-}  // heads of one kv head done together
+}
 
 // Scores of G heads sharing K rows: lane j < rows of x[i] = q_i . k_j
 // (k_j = k + j * ldk, d elements), lanes >= rows 0. Each K vector is loaded
@@ -174,14 +175,15 @@ bool Chunk(const DecodeArgs& a, const DecodeHead* h, int64_t j0, int rows) {
   float alpha[kMaxShare];
   bool bad = false;
   for (int i = 0; i < G; ++i) {
+    // |q . k| reaches the infinity pattern iff it is a NaN or an infinity:
+    // checked before the soft cap, whose tanh maps +-inf and NaN to +-1.
+    const __m512i bits = _mm512_and_si512(_mm512_castps_si512(x[i]), _mm512_set1_epi32(0x7fffffff));
+    bad |= _mm512_mask_cmpge_epi32_mask(live, bits, _mm512_set1_epi32(0x7f800000)) != 0;
     __m512 xi = _mm512_mul_ps(x[i], _mm512_set1_ps(a.scale));
     if constexpr (kCapped) {
       xi = _mm512_mul_ps(_mm512_set1_ps(a.softcap),
                          Tanh512(_mm512_mul_ps(xi, _mm512_set1_ps(1.0f / a.softcap))));
     }
-    // |x| reaches the infinity pattern iff x is a NaN or an infinity.
-    const __m512i bits = _mm512_and_si512(_mm512_castps_si512(xi), _mm512_set1_epi32(0x7fffffff));
-    bad |= _mm512_mask_cmpge_epi32_mask(live, bits, _mm512_set1_epi32(0x7f800000)) != 0;
     const __mmask16 allowed =
         h[i].allowed == nullptr ? live : static_cast<__mmask16>(live & h[i].allowed[j0 / 16]);
     xi = _mm512_mask_mov_ps(_mm512_set1_ps(kNegInf), allowed, xi);
@@ -235,7 +237,7 @@ bool Step(const DecodeArgs& a) {
         case 7:
           bad |= Chunk<7, T, kCapped>(a, h, j0, rows);
           break;
-        default:
+        case 8:
           bad |= Chunk<8, T, kCapped>(a, h, j0, rows);
           break;
       }

@@ -246,15 +246,16 @@ TEST(NumericsPoison, DependentGradientsAreNonFinite) {
 // computes, or inside one that is computed (alone: nothing else makes the
 // call redo) — and an infinite value, a key whose logit is -inf (one
 // infinite element against a negative query element: not to be taken for a
-// masked key) and a NaN query reach exactly their rows.
+// masked key), a NaN key under a soft cap and a NaN query reach exactly
+// their rows.
 void StackedOrTogetherDecodingStep(const ProblemSpec& spec) {
   AttentionOptions opt;
   opt.mask = Mask::Local(std::nullopt, 250);  // key <= q + 250; q at 0..3
   opt.block_sizes = {16, 16};
   opt.num_threads = 2;
   const int64_t q_row = std::min<int64_t>(2, spec.sq - 1);
-  for (const std::string scenario :
-       {"masked keys", "masked value", "inf value", "-inf logit", "NaN query"}) {
+  for (const std::string scenario : {"masked keys", "masked value", "inf value", "-inf logit",
+                                     "NaN key, soft cap", "NaN query"}) {
     Rng rng(2025);
     OwnedInputs in = RandomInputs(rng, spec);
     const Tensor dout = RandomTensor(rng, DType::kF32, OutShape(in));
@@ -269,6 +270,9 @@ void StackedOrTogetherDecodingStep(const ProblemSpec& spec) {
       StoreFromF32(k, k.Offset(0, 120, 0, 0), kInf);
       StoreFromF32(q, q.Offset(0, q_row, 0, 0), -1.0f);
     }
+    // The soft cap's tanh maps NaN to a finite logit: the check must come first.
+    opt.softcap = scenario == "NaN key, soft cap" ? std::optional<float>(30.0f) : std::nullopt;
+    if (scenario == "NaN key, soft cap") SetRow(in.k, 0, 120, 0, kNaN);
     if (scenario == "NaN query") SetRow(in.q, 0, q_row, 1, kNaN);
     for (KernelPath path : SupportedKernelPaths()) {
       opt.kernel_path = path;
