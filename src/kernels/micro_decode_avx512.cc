@@ -71,29 +71,52 @@ RINGSPLASH_INLINE void PrefetchRow(const T* row, int64_t ahead, int64_t bytes) {
   }
 }
 
-// Scores of G heads sharing K rows: lane j < rows of x[i] = q_i . k_j
-// (k_j = k + j * ldk, d elements), lanes >= rows 0. Each K vector is loaded
-// (and widened) once for the G heads; the per-token partial sums go through
-// `part` [G][16][16] and one 16 x 16 transpose per head.
+// Scores of G entries sharing K rows: lane j < rows of x[i] = q_i . k_j
+// (k_j = k + j * ldk, d elements), lanes >= rows 0. Tokens go in groups of
+// kTokens, each K vector loaded (and widened) once for the G entries and
+// each q vector once for the group's tokens — G * kTokens accumulators, one
+// load per FMA or fewer — and the per-token partial sums go through `part`
+// [G][16][16] and one 16 x 16 transpose per entry.
 template <int G, typename T>
 RINGSPLASH_INLINE void Dots(const DecodeHead* h, const T* k, int64_t ldk, int64_t d, int rows,
                             float* part, __m512 (&x)[G]) {
-  for (int j = 0; j < rows; ++j) {
-    const T* row = k + j * ldk;
-    if constexpr (G >= 2) PrefetchRow(row, kPrefetchKeys * ldk * sizeof(T), d * sizeof(T));
-    __m512 acc[G];
+  constexpr int kTokens = G <= 2 ? 8 : (G <= 4 ? 4 : 2);  // divides 16
+  for (int j0 = 0; j0 < rows; j0 += kTokens) {
+    const T* row[kTokens];
+    __mmask16 present[kTokens];  // tokens past `rows` are not read
     RINGSPLASH_UNROLL
-    for (int i = 0; i < G; ++i) acc[i] = _mm512_setzero_ps();
+    for (int t = 0; t < kTokens; ++t) {
+      row[t] = k + std::min(j0 + t, rows - 1) * ldk;
+      present[t] = j0 + t < rows ? static_cast<__mmask16>(0xffff) : 0;
+      if constexpr (G >= 2) {
+        if (j0 + t < rows) PrefetchRow(row[t], kPrefetchKeys * ldk * sizeof(T), d * sizeof(T));
+      }
+    }
+    __m512 acc[G][kTokens];
+    RINGSPLASH_UNROLL
+    for (int i = 0; i < G; ++i) {
+      RINGSPLASH_UNROLL
+      for (int t = 0; t < kTokens; ++t) acc[i][t] = _mm512_setzero_ps();
+    }
     for (int64_t c = 0; c < d; c += 16) {
       const __mmask16 live = LaneMask(d - c);
-      const __m512 kv = Load16(row + c, live);
+      __m512 kv[kTokens];
+      RINGSPLASH_UNROLL
+      for (int t = 0; t < kTokens; ++t) kv[t] = Load16(row[t] + c, live & present[t]);
       RINGSPLASH_UNROLL
       for (int i = 0; i < G; ++i) {
-        acc[i] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(live, h[i].q + c), kv, acc[i]);
+        const __m512 qv = _mm512_maskz_loadu_ps(live, h[i].q + c);
+        RINGSPLASH_UNROLL
+        for (int t = 0; t < kTokens; ++t) acc[i][t] = _mm512_fmadd_ps(qv, kv[t], acc[i][t]);
       }
     }
     RINGSPLASH_UNROLL
-    for (int i = 0; i < G; ++i) _mm512_store_ps(part + (i * 16 + j) * 16, acc[i]);
+    for (int i = 0; i < G; ++i) {
+      RINGSPLASH_UNROLL
+      for (int t = 0; t < kTokens; ++t) {
+        _mm512_store_ps(part + (i * 16 + j0 + t) * 16, acc[i][t]);
+      }
+    }
   }
   RINGSPLASH_UNROLL
   for (int i = 0; i < G; ++i) {
