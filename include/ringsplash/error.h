@@ -28,6 +28,22 @@ template <typename... Args>
   throw Error(os.str());
 }
 
+// A message part made only if the message is: Fail formats its parts, and
+// Check calls Fail only when the check fails, so a part that takes work to
+// make (a shape string) costs nothing on the path that passes, e.g.
+//   Check(ok, "expected ", Lazy([&] { return ShapeText(d); }), ", got ", view);
+template <typename Make>
+struct LazyPart {
+  Make make;
+  friend std::ostream& operator<<(std::ostream& os, const LazyPart& part) {
+    return os << part.make();
+  }
+};
+template <typename Make>
+LazyPart<Make> Lazy(Make make) {
+  return LazyPart<Make>{std::move(make)};
+}
+
 // Throws Error with the given parts unless `condition` holds.
 template <typename... Args>
 void Check(bool condition, Args&&... args) {

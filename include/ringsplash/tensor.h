@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <cstring>
 #include <initializer_list>
+#include <iosfwd>
 #include <string>
 #include <vector>
 
@@ -63,13 +64,18 @@ struct TensorView {
   bool is_contiguous() const;
   // Swaps dims a and b (strides follow), e.g. [B,H,S,D] -> [B,S,H,D].
   TensorView Transposed(int a, int b) const;
-  // "[2, 128, 8, 64] bf16" for messages.
+  // "[2, 128, 8, 64] bf16" for messages. A view streams as its description
+  // (operator<< below), so Check(cond, "got ", view) formats it only when
+  // the check fails rather than on every call.
   std::string Describe() const;
   // Element offset of a 4-D index (unused trailing indices are 0).
   int64_t Offset(int64_t i0, int64_t i1 = 0, int64_t i2 = 0, int64_t i3 = 0) const {
     return i0 * stride[0] + i1 * stride[1] + i2 * stride[2] + i3 * stride[3];
   }
 };
+
+// Streams t.Describe().
+std::ostream& operator<<(std::ostream& os, const TensorView& t);
 
 // Owning, C-order tensor (64-byte aligned). Used by the CLI, tests and the
 // ring's scratch buffers.

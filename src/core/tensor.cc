@@ -143,6 +143,8 @@ std::string TensorView::Describe() const {
   return os.str();
 }
 
+std::ostream& operator<<(std::ostream& os, const TensorView& t) { return os << t.Describe(); }
+
 Tensor::Tensor(DType dtype, std::vector<int64_t> shape) : dtype_(dtype), shape_(std::move(shape)) {
   for (int64_t d : shape_) Check(d >= 0, "Tensor: negative dimension ", d);
   const size_t n = bytes();
@@ -236,8 +238,7 @@ int64_t CopyConvertFindOverflow(const TensorView& src, const TensorView& dst) {
   Check(src.ndim == dst.ndim, "CopyConvert: source has ", src.ndim, " dims, destination ",
         dst.ndim);
   for (int i = 0; i < src.ndim; ++i) {
-    Check(src.shape[i] == dst.shape[i], "CopyConvert: shapes differ: ", src.Describe(), " vs ",
-          dst.Describe());
+    Check(src.shape[i] == dst.shape[i], "CopyConvert: shapes differ: ", src, " vs ", dst);
   }
   std::array<int64_t, kMaxDims> shape{1, 1, 1, 1};
   std::array<int64_t, kMaxDims> ss{}, ds{};

@@ -22,14 +22,14 @@ bool IsFloatLike(DType d) { return d == DType::kF32 || d == DType::kBF16 || d ==
 
 // Common to every tensor argument: non-null data, `ndim` dims, positive
 // sizes, non-negative strides.
-void CheckBasic(const TensorView& t, const char* name, int ndim, const std::string& expected) {
+template <typename Expected>  // streamable: a string, or a Lazy part
+void CheckBasic(const TensorView& t, const char* name, int ndim, const Expected& expected) {
   Check(t.data != nullptr, name, ": expected ", expected, ", got no data (null pointer)");
-  Check(t.ndim == ndim, name, ": expected ", expected, " (", ndim, " dims), got ", t.Describe());
+  Check(t.ndim == ndim, name, ": expected ", expected, " (", ndim, " dims), got ", t);
   for (int i = 0; i < t.ndim; ++i) {
-    Check(t.shape[i] > 0, name, ": expected ", expected, " with positive sizes, got ",
-          t.Describe());
+    Check(t.shape[i] > 0, name, ": expected ", expected, " with positive sizes, got ", t);
     Check(t.stride[i] >= 0, name, ": expected non-negative strides, got stride ", t.stride[i],
-          " in dim ", i, " of ", t.Describe());
+          " in dim ", i, " of ", t);
   }
 }
 
@@ -42,20 +42,21 @@ void CheckOutputNoOverlap(const TensorView& t, const char* name) {
     if (t.shape[i] <= 1) continue;
     Check(t.stride[i] != 0, name,
           ": expected an output view whose elements do not overlap, got stride 0 in dim ", i,
-          " of size ", t.shape[i], " (", t.Describe(), ")");
+          " of size ", t.shape[i], " (", t, ")");
     for (int j = 0; j < i; ++j) {
       Check(t.shape[j] <= 1 || t.stride[j] != t.stride[i], name,
             ": expected an output view whose elements do not overlap, got the same stride ",
-            t.stride[i], " in dims ", j, " and ", i, " (", t.Describe(), ")");
+            t.stride[i], " in dims ", j, " and ", i, " (", t, ")");
     }
   }
 }
 
+template <typename Expected>
 void CheckShape(const TensorView& t, const char* name, std::initializer_list<int64_t> want,
-                const std::string& expected) {
+                const Expected& expected) {
   int i = 0;
   for (int64_t w : want) {
-    Check(t.shape[i] == w, name, ": expected shape ", expected, ", got ", t.Describe());
+    Check(t.shape[i] == w, name, ": expected shape ", expected, ", got ", t);
     ++i;
   }
 }
@@ -64,10 +65,9 @@ void CheckShape(const TensorView& t, const char* name, std::initializer_list<int
 void CheckOutDType(const TensorView& t, const char* name, DType q_dtype) {
   if (t.dtype == q_dtype || t.dtype == DType::kF32) return;
   if (q_dtype == DType::kF32) {
-    Fail(name, ": expected dtype f32 (the dtype of q), got ", t.Describe());
+    Fail(name, ": expected dtype f32 (the dtype of q), got ", t);
   }
-  Fail(name, ": expected dtype ", DTypeName(q_dtype), " (the dtype of q) or f32, got ",
-       t.Describe());
+  Fail(name, ": expected dtype ", DTypeName(q_dtype), " (the dtype of q) or f32, got ", t);
 }
 
 std::string Shape4(const char* a, int64_t av, const char* b, int64_t bv, const char* c, int64_t cv,
@@ -116,40 +116,42 @@ AttentionDims ValidateInputsAndOptions(const AttentionInputs& in, const Attentio
   AttentionDims d;
   const TensorView& q = in.q;
   CheckBasic(q, "q", 4, "[B, Sq, H, D]");
-  Check(IsFloatLike(q.dtype), "q: expected dtype f32, bf16 or f16, got ", q.Describe());
+  Check(IsFloatLike(q.dtype), "q: expected dtype f32, bf16 or f16, got ", q);
   d.b = q.shape[0];
   d.sq = q.shape[1];
   d.h = q.shape[2];
   d.d = q.shape[3];
-  Check(d.d <= kMaxHeadDim, "q: expected head dim D in 1..", kMaxHeadDim, ", got ", q.Describe());
+  Check(d.d <= kMaxHeadDim, "q: expected head dim D in 1..", kMaxHeadDim, ", got ", q);
 
   const TensorView& k = in.k;
-  const std::string k_expect = Shape4("B", d.b, "Skv", -1, "Hkv", -1, "D", d.d) +
-                               " with Hkv dividing H=" + std::to_string(d.h);
+  const auto k_expect = Lazy([&] {
+    return Shape4("B", d.b, "Skv", -1, "Hkv", -1, "D", d.d) +
+           " with Hkv dividing H=" + std::to_string(d.h);
+  });
   CheckBasic(k, "k", 4, k_expect);
   Check(k.shape[0] == d.b && k.shape[3] == d.d && d.h % k.shape[2] == 0, "k: expected shape ",
-        k_expect, ", got ", k.Describe());
-  Check(k.dtype == q.dtype, "k: expected dtype ", DTypeName(q.dtype), " (the dtype of q), got ",
-        k.Describe());
+        k_expect, ", got ", k);
+  Check(k.dtype == q.dtype, "k: expected dtype ", DTypeName(q.dtype), " (the dtype of q), got ", k);
   d.skv = k.shape[1];
   d.hkv = k.shape[2];
 
   const TensorView& v = in.v;
-  const std::string v_expect = Shape4("B", d.b, "Skv", d.skv, "Hkv", d.hkv, "Dv", -1) +
-                               " with Dv in 1.." + std::to_string(kMaxHeadDim);
+  const auto v_expect = Lazy([&] {
+    return Shape4("B", d.b, "Skv", d.skv, "Hkv", d.hkv, "Dv", -1) + " with Dv in 1.." +
+           std::to_string(kMaxHeadDim);
+  });
   CheckBasic(v, "v", 4, v_expect);
   Check(
       v.shape[0] == d.b && v.shape[1] == d.skv && v.shape[2] == d.hkv && v.shape[3] <= kMaxHeadDim,
-      "v: expected shape ", v_expect, ", got ", v.Describe());
-  Check(v.dtype == q.dtype, "v: expected dtype ", DTypeName(q.dtype), " (the dtype of q), got ",
-        v.Describe());
+      "v: expected shape ", v_expect, ", got ", v);
+  Check(v.dtype == q.dtype, "v: expected dtype ", DTypeName(q.dtype), " (the dtype of q), got ", v);
   d.dv = v.shape[3];
 
   if (in.sinks.defined() || in.sinks.ndim != 0) {
-    const std::string e = "[H=" + std::to_string(d.h) + "] f32";
+    const auto e = Lazy([&] { return "[H=" + std::to_string(d.h) + "] f32"; });
     CheckBasic(in.sinks, "sinks", 1, e);
     Check(in.sinks.shape[0] == d.h && in.sinks.dtype == DType::kF32, "sinks: expected ", e,
-          ", got ", in.sinks.Describe());
+          ", got ", in.sinks);
     // A NaN sink makes its whole head NaN and an infinite one NaN gradients
     // (dsinks = -sum exp(sink - lse) * D with lse = +inf): refuse them here,
     // O(H), rather than return poisoned results.
@@ -165,16 +167,18 @@ AttentionDims ValidateInputsAndOptions(const AttentionInputs& in, const Attentio
         ": expected segment ids for both q and k/v or for neither, got only ",
         has_qs ? "q_segments" : "kv_segments");
   if (has_qs) {
-    const std::string eq = "[B=" + std::to_string(d.b) + ", Sq=" + std::to_string(d.sq) + "] i32";
+    const auto eq = Lazy(
+        [&] { return "[B=" + std::to_string(d.b) + ", Sq=" + std::to_string(d.sq) + "] i32"; });
     CheckBasic(in.q_segments, "q_segments", 2, eq);
     Check(in.q_segments.shape[0] == d.b && in.q_segments.shape[1] == d.sq &&
               in.q_segments.dtype == DType::kI32,
-          "q_segments: expected ", eq, ", got ", in.q_segments.Describe());
-    const std::string ek = "[B=" + std::to_string(d.b) + ", Skv=" + std::to_string(d.skv) + "] i32";
+          "q_segments: expected ", eq, ", got ", in.q_segments);
+    const auto ek = Lazy(
+        [&] { return "[B=" + std::to_string(d.b) + ", Skv=" + std::to_string(d.skv) + "] i32"; });
     CheckBasic(in.kv_segments, "kv_segments", 2, ek);
     Check(in.kv_segments.shape[0] == d.b && in.kv_segments.shape[1] == d.skv &&
               in.kv_segments.dtype == DType::kI32,
-          "kv_segments: expected ", ek, ", got ", in.kv_segments.Describe());
+          "kv_segments: expected ", ek, ", got ", in.kv_segments);
   }
 
   CheckPositions(in.q_positions, d.sq, "q_positions", "one per query row, Sq");
@@ -183,7 +187,8 @@ AttentionDims ValidateInputsAndOptions(const AttentionInputs& in, const Attentio
   const Mask& mask = opt.mask;
   Check(mask.num_heads() == 0 || mask.num_heads() == d.h,
         "mask: expected a head-independent mask or one built for H=", d.h,
-        " query heads, got one built for ", mask.num_heads(), " heads (", mask.ToString(), ")");
+        " query heads, got one built for ", mask.num_heads(), " heads (",
+        Lazy([&] { return mask.ToString(); }), ")");
   if (mask.has_dense()) {
     const int64_t max_q = MaxPosition(in.q_positions, d.sq);
     const int64_t max_kv = MaxPosition(in.kv_positions, d.skv);
@@ -220,17 +225,19 @@ AttentionDims ValidateInputsAndOptions(const AttentionInputs& in, const Attentio
 
 void ValidateForwardOutputs(const AttentionDims& d, DType q_dtype, const TensorView& out,
                             const TensorView& lse) {
-  const std::string eo = Shape4("B", d.b, "Sq", d.sq, "H", d.h, "Dv", d.dv);
+  const auto eo = Lazy([&] { return Shape4("B", d.b, "Sq", d.sq, "H", d.h, "Dv", d.dv); });
   CheckBasic(out, "out", 4, eo);
   CheckShape(out, "out", {d.b, d.sq, d.h, d.dv}, eo);
   CheckOutputNoOverlap(out, "out");
   CheckOutDType(out, "out", q_dtype);
-  const std::string el = "[B=" + std::to_string(d.b) + ", H=" + std::to_string(d.h) +
-                         ", Sq=" + std::to_string(d.sq) + "] f32";
+  const auto el = Lazy([&] {
+    return "[B=" + std::to_string(d.b) + ", H=" + std::to_string(d.h) +
+           ", Sq=" + std::to_string(d.sq) + "] f32";
+  });
   CheckBasic(lse, "lse", 3, el);
   CheckShape(lse, "lse", {d.b, d.h, d.sq}, el);
   CheckOutputNoOverlap(lse, "lse");
-  Check(lse.dtype == DType::kF32, "lse: expected ", el, ", got ", lse.Describe());
+  Check(lse.dtype == DType::kF32, "lse: expected ", el, ", got ", lse);
 }
 
 void ValidateBackwardArgs(const AttentionDims& d, const AttentionInputs& in, const TensorView& out,
@@ -238,22 +245,26 @@ void ValidateBackwardArgs(const AttentionDims& d, const AttentionInputs& in, con
                           const TensorView& dk, const TensorView& dv, const TensorView& dsinks) {
   const DType qd = in.q.dtype;
   ValidateForwardOutputs(d, qd, out, lse);
-  const std::string eo = Shape4("B", d.b, "Sq", d.sq, "H", d.h, "Dv", d.dv) + " (shape of out)";
+  const auto eo =
+      Lazy([&] { return Shape4("B", d.b, "Sq", d.sq, "H", d.h, "Dv", d.dv) + " (shape of out)"; });
   CheckBasic(dout, "dout", 4, eo);
   CheckShape(dout, "dout", {d.b, d.sq, d.h, d.dv}, eo);
   CheckOutDType(dout, "dout", qd);
 
-  const std::string eq = Shape4("B", d.b, "Sq", d.sq, "H", d.h, "D", d.d) + " (shape of q)";
+  const auto eq =
+      Lazy([&] { return Shape4("B", d.b, "Sq", d.sq, "H", d.h, "D", d.d) + " (shape of q)"; });
   CheckBasic(dq, "dq", 4, eq);
   CheckShape(dq, "dq", {d.b, d.sq, d.h, d.d}, eq);
   CheckOutputNoOverlap(dq, "dq");
   CheckOutDType(dq, "dq", qd);
-  const std::string ek = Shape4("B", d.b, "Skv", d.skv, "Hkv", d.hkv, "D", d.d) + " (shape of k)";
+  const auto ek = Lazy(
+      [&] { return Shape4("B", d.b, "Skv", d.skv, "Hkv", d.hkv, "D", d.d) + " (shape of k)"; });
   CheckBasic(dk, "dk", 4, ek);
   CheckShape(dk, "dk", {d.b, d.skv, d.hkv, d.d}, ek);
   CheckOutputNoOverlap(dk, "dk");
   CheckOutDType(dk, "dk", qd);
-  const std::string ev = Shape4("B", d.b, "Skv", d.skv, "Hkv", d.hkv, "Dv", d.dv) + " (shape of v)";
+  const auto ev = Lazy(
+      [&] { return Shape4("B", d.b, "Skv", d.skv, "Hkv", d.hkv, "Dv", d.dv) + " (shape of v)"; });
   CheckBasic(dv, "dv", 4, ev);
   CheckShape(dv, "dv", {d.b, d.skv, d.hkv, d.dv}, ev);
   CheckOutputNoOverlap(dv, "dv");
@@ -261,14 +272,13 @@ void ValidateBackwardArgs(const AttentionDims& d, const AttentionInputs& in, con
 
   const bool has_sinks = in.sinks.defined();
   if (has_sinks) {
-    const std::string e = "[H=" + std::to_string(d.h) + "] f32 (sinks were given)";
+    const auto e = Lazy([&] { return "[H=" + std::to_string(d.h) + "] f32 (sinks were given)"; });
     CheckBasic(dsinks, "dsinks", 1, e);
     Check(dsinks.shape[0] == d.h && dsinks.dtype == DType::kF32, "dsinks: expected ", e, ", got ",
-          dsinks.Describe());
+          dsinks);
     CheckOutputNoOverlap(dsinks, "dsinks");
   } else {
-    Check(!dsinks.defined(), "dsinks: expected none (no sinks were given), got ",
-          dsinks.Describe());
+    Check(!dsinks.defined(), "dsinks: expected none (no sinks were given), got ", dsinks);
   }
 }
 

@@ -68,22 +68,22 @@ std::vector<int64_t> CheckShardPair(const char* fn, Layout layout, int rank, int
                                     const TensorView& local, const TensorView& global,
                                     int seq_dim) {
   Check(local.defined() && global.defined(), fn, ": local and global views must be defined");
-  Check(local.ndim == global.ndim, fn, ": local ", local.Describe(), " and global ",
-        global.Describe(), " must have the same number of dims");
+  Check(local.ndim == global.ndim, fn, ": local ", local, " and global ", global,
+        " must have the same number of dims");
   Check(seq_dim >= 0 && seq_dim < local.ndim, fn, ": seq_dim must be in [0, ", local.ndim,
         "), got ", seq_dim);
   Check(local.dtype == global.dtype, fn, ": local dtype ", DTypeName(local.dtype),
         " differs from global dtype ", DTypeName(global.dtype));
   for (int i = 0; i < local.ndim; ++i) {
     if (i == seq_dim) continue;
-    Check(local.shape[i] == global.shape[i], fn, ": local ", local.Describe(), " and global ",
-          global.Describe(), " differ in dim ", i);
+    Check(local.shape[i] == global.shape[i], fn, ": local ", local, " and global ", global,
+          " differ in dim ", i);
   }
   std::vector<int64_t> positions =
       LayoutPositions(layout, global.shape[seq_dim], rank, num_ranks, "global sequence length");
-  Check(local.shape[seq_dim] == static_cast<int64_t>(positions.size()), fn, ": local ",
-        local.Describe(), " must hold ", positions.size(), " rows in dim ", seq_dim, " (global ",
-        global.Describe(), " over ", num_ranks, " ranks)");
+  Check(local.shape[seq_dim] == static_cast<int64_t>(positions.size()), fn, ": local ", local,
+        " must hold ", positions.size(), " rows in dim ", seq_dim, " (global ", global, " over ",
+        num_ranks, " ranks)");
   return positions;
 }
 
@@ -92,12 +92,10 @@ std::vector<int64_t> CheckShardPair(const char* fn, Layout layout, int rank, int
 namespace ring_internal {
 
 void CopyElements(const TensorView& src, const TensorView& dst) {
-  Check(src.ndim == dst.ndim && src.ndim >= 1 && src.dtype == dst.dtype,
-        "CopyElements: ", src.Describe(), " and ", dst.Describe(),
-        " must have the same dtype and dims");
+  Check(src.ndim == dst.ndim && src.ndim >= 1 && src.dtype == dst.dtype, "CopyElements: ", src,
+        " and ", dst, " must have the same dtype and dims");
   for (int i = 0; i < src.ndim; ++i) {
-    Check(src.shape[i] == dst.shape[i], "CopyElements: shapes differ: ", src.Describe(), " vs ",
-          dst.Describe());
+    Check(src.shape[i] == dst.shape[i], "CopyElements: shapes differ: ", src, " vs ", dst);
   }
   std::vector<int64_t> identity(static_cast<size_t>(src.shape[0]));
   for (int64_t i = 0; i < src.shape[0]; ++i) identity[i] = i;
