@@ -168,6 +168,8 @@ nlohmann::json ToJson(const BenchResult& r) {
       {"forward_seconds", r.forward_seconds},
       {"backward_seconds", r.backward_seconds},
       {"allowed_pairs", r.allowed_pairs},
+      {"kv_bytes", r.kv_bytes},
+      {"kv_gb_per_s", r.kv_gb_per_s},
       {"flops", r.flops},
       {"gflops", r.gflops},
       {"peak_gflops", r.peak_gflops},

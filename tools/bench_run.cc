@@ -188,6 +188,10 @@ BenchResult RunBenchOnRank(Communicator& comm, const BenchConfig& c) {
   if (rank != 0) return r;  // no collective below: other ranks may leave
 
   r.allowed_pairs = AllowedPairs(mask, c.q_seq, c.seq, c.heads);
+  r.kv_bytes = static_cast<double>(c.batch) * static_cast<double>(c.seq) *
+               static_cast<double>(c.kv_heads) * static_cast<double>(c.head_dim + c.v_head_dim) *
+               static_cast<double>(DTypeSize(c.dtype));
+  r.kv_gb_per_s = r.seconds > 0 ? r.kv_bytes / r.seconds / 1e9 : 0;
   r.flops = UsefulFlops(r.allowed_pairs, c.batch, c.head_dim, c.v_head_dim, c.pass);
   r.gflops = r.seconds > 0 ? r.flops / r.seconds / 1e9 : 0;
   r.peak_gflops = peak.gflops;

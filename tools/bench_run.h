@@ -62,6 +62,9 @@ struct BenchResult {
   double seconds = 0;       // median per iteration (forward + backward as configured)
   double forward_seconds = 0, backward_seconds = 0;  // medians, 0 if not run
   double allowed_pairs = 0;
+  // Bytes of K and V (the whole sequence, the dtype's size) and kv_bytes over
+  // seconds: the rate of decoding steps, which are bound by reading K and V.
+  double kv_bytes = 0, kv_gb_per_s = 0;
   double flops = 0;         // useful FLOPs per iteration (flop_count.h)
   double kernel_flops = 0;  // FLOPs the kernels spent per iteration (incl. masked elements)
   double gflops = 0;

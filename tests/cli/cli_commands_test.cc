@@ -86,7 +86,7 @@ TEST(Cli, BenchCheckEmitsOneJsonObjectPerSeqWithAllFields) {
     for (const char* f :
          {"config", "seconds", "flops", "gflops", "peak_gflops", "fraction_of_peak",
           "computed_blocks", "skipped_blocks", "compute_seconds", "comm_wait_seconds", "imbalance",
-          "max_rel_err", "kernel_flops", "rank_flops", "peak_method"}) {
+          "max_rel_err", "kernel_flops", "rank_flops", "peak_method", "kv_bytes", "kv_gb_per_s"}) {
       EXPECT_TRUE(j.contains(f)) << f;
     }
     const nlohmann::json& c = j["config"];
@@ -128,6 +128,11 @@ TEST(Cli, BenchCheckEmitsOneJsonObjectPerSeqWithAllFields) {
     EXPECT_NEAR(j["gflops"].get<double>(),
                 j["flops"].get<double>() / j["seconds"].get<double>() / 1e9,
                 1e-9 * j["gflops"].get<double>());
+    // K and V: B * S * Hkv * (D + Dv) f32 values.
+    EXPECT_DOUBLE_EQ(j["kv_bytes"].get<double>(), 1.0 * seqs[i] * 2 * (16 + 8) * 4);
+    EXPECT_NEAR(j["kv_gb_per_s"].get<double>(),
+                j["kv_bytes"].get<double>() / j["seconds"].get<double>() / 1e9,
+                1e-9 * j["kv_gb_per_s"].get<double>());
   }
 }
 
@@ -146,6 +151,8 @@ TEST(Cli, BenchSingleDeviceDefaultsAndBf16) {
   EXPECT_EQ(j["config"]["v_head_dim"], 32);
   // Full mask: every pair; forward only.
   EXPECT_DOUBLE_EQ(j["flops"].get<double>(), 2.0 * (32 + 32) * 2 * 256.0 * 256.0);
+  // bf16 K and V, 2 bytes each (kv_heads defaults to heads).
+  EXPECT_DOUBLE_EQ(j["kv_bytes"].get<double>(), 256.0 * 2 * (32 + 32) * 2);
   EXPECT_EQ(j["skipped_blocks"], 0);
   // Same bf16 inputs on both sides, different tilings: bf16 rounding of
   // probabilities only (see demo.cc), well under 3e-2.
