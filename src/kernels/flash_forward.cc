@@ -28,10 +28,6 @@
 // (KvTileCache: sliding windows, short rows). Per-thread scratch lives as
 // long as its thread (pool threads persist), so a call allocates nothing per
 // tile and, without a per-call copy, nothing of size O(S).
-#if defined(__x86_64__)
-#include <immintrin.h>  // SSE2 non-temporal stores (x86-64 baseline)
-#endif
-
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -46,6 +42,7 @@
 #include "src/kernels/flash.h"
 #include "src/kernels/flash_common.h"
 #include "src/kernels/flash_merge.h"
+#include "src/kernels/flash_rows.h"
 #include "src/kernels/flash_stacked.h"
 #include "src/kernels/micro.h"
 #include "src/kernels/poison.h"
@@ -76,6 +73,8 @@ constexpr int kGroup = 4;
 struct BlockState {
   AlignedBuffer<float> qt, acc, row_max, row_sum, alpha;
   AlignedBuffer<uint16_t> qt_bf16;
+
+  RowState Rows() { return {acc.data(), row_max.data(), row_sum.data()}; }
 
   // Room for a block of up to `rows` rows (acc holds only those).
   void Reserve(const Geometry& g, bool bf16, int64_t rows) {
@@ -146,120 +145,6 @@ struct Workspace {
     return ws;
   }
 };
-
-// dst[c] = src[c] * s for c < n. With `stream`, 16-byte aligned rows are
-// written with non-temporal stores: a large output is written once and not
-// read back by the kernel, so fetching its lines first (read for ownership)
-// would double the memory traffic of the last step (~5 % of a sliding-window
-// forward at S = 32768). The caller orders them with StreamFence().
-// (Other architectures get ordinary stores.)
-void ScaleRow(float* dst, const float* src, int64_t n, float s, bool stream) {
-#if defined(__x86_64__)
-  if (stream && reinterpret_cast<uintptr_t>(dst) % 16 == 0) {
-    const __m128 vs = _mm_set1_ps(s);
-    int64_t c = 0;
-    for (; c + 4 <= n; c += 4) _mm_stream_ps(dst + c, _mm_mul_ps(_mm_loadu_ps(src + c), vs));
-    for (; c < n; ++c) dst[c] = src[c] * s;
-    return;
-  }
-#else
-  (void)stream;
-#endif
-  for (int64_t c = 0; c < n; ++c) dst[c] = src[c] * s;
-}
-
-// Orders ScaleRow's non-temporal stores before the task's results are used.
-void StreamFence() {
-#if defined(__x86_64__)
-  _mm_sfence();
-#endif
-}
-
-// Where FinishRows writes out rows: f32 (`f32`, contiguous, merged into when
-// merging), or, not merging, bf16 (`bf16.data`, f32 null, with its strides
-// and sinks); `overflow` is set if a finite value rounded to a bf16 infinity.
-// With stack_group > 0 the rows are those of a stacked problem (flash_stacked.h):
-// its row r of kv head kh is row r / g of head kh * g + r % g (g = stack_group)
-// of the caller's [B, sq, h] rows, where out and lse live.
-struct OutRows {
-  float* f32 = nullptr;
-  Bf16Out bf16;
-  std::atomic<bool>* overflow = nullptr;
-  int64_t stack_group = 0, sq = 0, h = 0;
-
-  uint16_t* Bf16Row(int64_t b, int64_t i, int64_t h) const {
-    return bf16.data + b * bf16.stride[0] + i * bf16.stride[1] + h * bf16.stride[2];
-  }
-};
-
-// Where row `row` of head `h` of a call with geometry g goes in `out`:
-// (row, head) and the out's own rows and heads.
-struct RowAt {
-  int64_t row, head, sq, h;
-};
-RowAt Place(const Geometry& g, const OutRows& out, int64_t row, int64_t h) {
-  if (out.stack_group == 0) return {row, h, g.sq, g.h};
-  return {row / out.stack_group, h * out.stack_group + row % out.stack_group, out.sq, out.h};
-}
-
-// Row i (dv values, already scaled, in a) as bf16 into dst.
-void StoreRowBf16(const float* a, int64_t dv, uint16_t* dst, std::atomic<bool>* overflow) {
-  bool over = false;
-  for (int64_t e = 0; e < dv; ++e) {
-    dst[e] = F32ToBF16(a[e]);
-    over |= std::isfinite(a[e]) && (dst[e] & 0x7fffu) == 0x7f80u;
-  }
-  if (over) overflow->store(true, std::memory_order_relaxed);
-}
-
-// Row (b, row, h) of a finished partial result (part [dv], part_lse) into
-// `out` / lse [B, H, Sq] (through Place): merged into the existing row
-// (MergePartial), or stored — its sink applied and rounded for a bf16 out;
-// part may be clobbered. With `in_place`, part already is the f32 out row.
-void EmitRow(const Geometry& g, int64_t b, int64_t row, int64_t h, float* part, float part_lse,
-             bool merge, const OutRows& out, float* lse, bool in_place) {
-  const RowAt to = Place(g, out, row, h);
-  const int64_t at = ((b * to.sq + to.row) * to.h + to.head) * g.dv;
-  float* l_out = lse + (b * to.h + to.head) * to.sq + to.row;
-  if (merge) {
-    MergePartial(RowShape{1, 1, 1, g.dv}, out.f32 + at, l_out, part, &part_lse);
-  } else if (out.bf16.data != nullptr) {
-    if (out.bf16.sinks != nullptr) {
-      ApplySinks(RowShape{1, 1, 1, g.dv}, part, &part_lse, out.bf16.sinks + to.head);
-    }
-    *l_out = part_lse;
-    StoreRowBf16(part, g.dv, out.Bf16Row(b, to.row, to.head), out.overflow);
-  } else {
-    *l_out = part_lse;
-    if (!in_place) std::memcpy(out.f32 + at, part, static_cast<size_t>(g.dv) * sizeof(float));
-  }
-}
-
-// out = acc / l and lse = m + log(l) for the task's rows (0 and -inf for a
-// row without keys), each then emitted (EmitRow): merged, stored, or its sink
-// applied and rounded. `stream`: f32 out rows written with non-temporal
-// stores (ForwardCall::stream_, never when merging or rounding).
-void FinishRows(const Geometry& g, int64_t b, int64_t h, int64_t qb, int64_t m, BlockState& ws,
-                bool merge, bool stream, const OutRows& out, float* lse) {
-  for (int64_t i = 0; i < m; ++i) {
-    const int64_t row = qb * g.bq + i;
-    float* a = ws.acc.data() + i * g.ld_dv;
-    // The row's partial result; in place of its accumulator when merging or
-    // rounding to bf16.
-    const bool in_place = !merge && out.bf16.data == nullptr;
-    const RowAt to = Place(g, out, row, h);
-    float* part = in_place ? out.f32 + ((b * to.sq + to.row) * to.h + to.head) * g.dv : a;
-    float part_lse = kNegInf;
-    const float l = ws.row_sum[i];
-    if (l > 0.0f) {
-      ScaleRow(part, a, g.dv, 1.0f / l, stream);
-      part_lse = ws.row_max[i] + std::log(l);
-    } else {
-      std::memset(part, 0, static_cast<size_t>(g.dv) * sizeof(float));
-    }
-    EmitRow(g, b, row, h, part, part_lse, merge, out, lse, in_place);
-  }
-}
 
 // One call's task loop: what its tasks share (read-only, but for the
 // non-finite flag, the claims on kv tiles to check and each worker's own
@@ -415,10 +300,10 @@ class ForwardCall {
       const OutRows part{.f32 = part_out_.data() + split * g_.b * g_.sq * g_.h * g_.dv,
                          .bf16 = {},
                          .overflow = nullptr};
-      FinishRows(g_, b, h, qb, g_.QRows(qb), s, /*merge=*/false, /*stream=*/false, part,
+      FinishRows(g_, b, h, qb, g_.QRows(qb), s.Rows(), /*merge=*/false, /*stream=*/false, part,
                  part_lse_.data() + split * g_.b * g_.h * g_.sq);
     } else {
-      FinishRows(g_, b, h, qb, g_.QRows(qb), s, merge_, stream_, out_, lse_);
+      FinishRows(g_, b, h, qb, g_.QRows(qb), s.Rows(), merge_, stream_, out_, lse_);
     }
   }
 
