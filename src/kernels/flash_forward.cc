@@ -262,18 +262,16 @@ class ForwardCall {
       KvTile kvt{};
       for (int i = 0; i < nb; ++i) {
         Walk& w = walks[i];
-        if (w.next != kvb) continue;
-        const mask::BlockRun& run = w.runs[w.run_at];
-        Advance(w, kvb);
         const int64_t qb = qb0 + i;
-        const BlockKind kind = plan_.Refine(run.kind, b, qb, kvb);
+        BlockKind map_kind{};
+        const BlockKind kind = Next(w, b, qb, kvb, &map_kind);
         if (kind == BlockKind::kEmpty) continue;
         if (!fetched) {  // once per group: check, copy or locate the tile
           fetched = true;
           kvt = Fetch(ws, b, kh, kvb);
           if (bf16_pv_) PackValuePairs(ws, kvt, b, kh, kvb);
         }
-        Tile(ws, b, h, qb, kvb, run.kind, kind, kvt, ws.blocks[i], w);
+        Tile(ws, b, h, qb, kvb, map_kind, kind, kvt, ws.blocks[i], w);
         Count(st, kind, qb, kvb);
       }
     }
@@ -331,18 +329,16 @@ class ForwardCall {
       KvTile kvt{};
       for (int64_t i = 0; i < n; ++i) {
         Walk& w = walks[static_cast<size_t>(i)];
-        if (w.next != kvb) continue;
-        const int64_t h = h0 + i, kh = h / g_.group;
-        const mask::BlockRun& run = w.runs[w.run_at];
-        Advance(w, kvb);
-        const BlockKind kind = plan_.Refine(run.kind, b, 0, kvb);
+        BlockKind map_kind{};
+        const BlockKind kind = Next(w, b, 0, kvb, &map_kind);
         if (kind == BlockKind::kEmpty) continue;
+        const int64_t h = h0 + i, kh = h / g_.group;
         if (kh != fetched_kh) {
           fetched_kh = kh;
           kvt = Fetch(ws, b, kh, kvb);
           if (bf16_pv_) PackValuePairs(ws, kvt, b, kh, kvb);
         }
-        Tile(ws, b, h, 0, kvb, run.kind, kind, kvt, states[static_cast<size_t>(i)], w);
+        Tile(ws, b, h, 0, kvb, map_kind, kind, kvt, states[static_cast<size_t>(i)], w);
         Count(st, kind, 0, kvb);
       }
     }
@@ -398,15 +394,13 @@ class ForwardCall {
       int64_t count = 0;
       for (int64_t i = 0; i < n; ++i) {
         Walk& w = walks[static_cast<size_t>(i)];
-        if (w.next != kvb) continue;
-        const int64_t h = h0 + i, kh = h / g_.group;
-        const mask::BlockRun& run = w.runs[w.run_at];
-        Advance(w, kvb);
-        const BlockKind kind = plan_.Refine(run.kind, b, 0, kvb);
+        BlockKind map_kind{};
+        const BlockKind kind = Next(w, b, 0, kvb, &map_kind);
         if (kind == BlockKind::kEmpty) continue;
+        const int64_t h = h0 + i, kh = h / g_.group;
         const uint16_t* tile = nullptr;  // the tile's mask bits (partial tiles)
         if (kind == BlockKind::kPartial) {
-          ws.mask.Fill(plan_, mk_, run.kind, h, b, 0, kvb);
+          ws.mask.Fill(plan_, mk_, map_kind, h, b, 0, kvb);
           tile = ws.mask.bits();
         }
         BlockState& s = states[static_cast<size_t>(i)];
@@ -538,6 +532,17 @@ class ForwardCall {
     while (w.run_at < w.runs.size() && w.runs[w.run_at].end <= kv_lo) ++w.run_at;
     w.next = w.run_at < w.runs.size() ? std::max<int64_t>(w.runs[w.run_at].begin, kv_lo) : kDone;
     w.computed = 0;
+  }
+
+  // Whether walk w (q block qb of batch b) computes kv tile kvb: if kvb is
+  // its next tile, moves it past the tile and returns the tile's refined
+  // kind (kEmpty: skipped; *map_kind is the block map's kind, which mask
+  // tiles are built from), else kEmpty.
+  BlockKind Next(Walk& w, int64_t b, int64_t qb, int64_t kvb, BlockKind* map_kind) const {
+    if (w.next != kvb) return BlockKind::kEmpty;
+    *map_kind = w.runs[w.run_at].kind;
+    Advance(w, kvb);
+    return plan_.Refine(*map_kind, b, qb, kvb);
   }
 
   // Moves a walk past kv tile kvb (its current one).
