@@ -268,6 +268,20 @@ def case_decode(r):
                 value=value, values=values, target="informational", passed=True, runs=runs)
 
 
+def case_decode_mha(r):
+    """Not a target: the same step with MHA (H = Hkv = 32: 1 GiB of f32 K and
+    V, every head its own rows), read from the bench's kv_gb_per_s."""
+    def once():
+        runs, _ = r.bench("--q-seq", "1", "--seq", "32768", "--heads", "32", "--kv-heads", "32",
+                          "--head-dim", "128", "--ranks", "1", "--threads-per-rank", "2",
+                          iters=11)
+        return runs
+
+    value, values, runs = repeated(r, lambda rs: rs[0]["kv_gb_per_s"], once)
+    return dict(case="decode_mha_s32768", metric="K/V GB/s read by a decoding step (median)",
+                value=value, values=values, target="informational", passed=True, runs=runs)
+
+
 CASES = {
     "fwd_f32": case_fwd_f32,
     "fwd_bf16": case_fwd_bf16,
@@ -282,6 +296,7 @@ CASES = {
     "ring_mpi": case_ring_mpi,
     "memory": case_memory,
     "decode": case_decode,
+    "decode_mha": case_decode_mha,
 }
 
 

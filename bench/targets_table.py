@@ -23,6 +23,7 @@ CASES = {
     "ring_mpi_2x1": "ring, MPI, 2 processes x 1 thread, same",
     "memory_ring4_s262144": "memory, causal zigzag ring of 4, S=262144 H=1 D=64, fwd",
     "decode_gqa_s32768": "decoding step, 1 token, Skv=32768 H=32 Hkv=4 D=128 f32 (not a target)",
+    "decode_mha_s32768": "decoding step, same with MHA (H=Hkv=32) (not a target)",
 }
 
 
@@ -58,7 +59,8 @@ def detail(r):
                 "iteration")
     if case.startswith("decode"):
         ms = sorted(run["seconds"] * 1e3 for run in runs)
-        return f"{spread}; {ms[len(ms) // 2]:.1f} ms per step (median), 128 MiB of K and V"
+        mib = runs[0].get("kv_bytes", 128 * 2**20) / 2**20
+        return f"{spread}; {ms[len(ms) // 2]:.1f} ms per step (median), {mib:.0f} MiB of K and V"
     if case.startswith("memory"):
         rss = r["rss_mib"]
         steps = ", ".join(f"{v:.0f} MiB at S={s}" for s, v in rss.items())
