@@ -1,5 +1,5 @@
-// The README's "Library in a dozen lines" snippet, compiled and checked against
-// the f64 reference, so the front page never shows code that does not work.
+// The README's snippets ("Library in a dozen lines", the decoding step), compiled and checked
+// against the f64 reference, so the front page never shows code that does not work.
 #include <gtest/gtest.h>
 
 #include "ringsplash/ringsplash.h"
@@ -38,6 +38,46 @@ TEST(ReadmeExample, SingleDeviceAndRingMatchTheReference) {
   EXPECT_LT(Compare(ToDoubles(out), ref.fwd.out).Relative(kMagnitudeFloor), 1e-5);
   EXPECT_LT(Compare(ToDoubles(ring_out_t.view()), ref.fwd.out).Relative(kMagnitudeFloor), 1e-5);
   EXPECT_LT(Compare(ToDoubles(ring_lse_t.view()), ref.fwd.lse).Relative(1.0), 1e-5);
+}
+
+// The README's decoding snippet: the token at position len - 1 against the
+// first len rows of a cache allocated for 64, equal to row len - 1 of the
+// whole causal (windowed) forward of the reference.
+TEST(ReadmeExample, DecodingStepMatchesTheReference) {
+  Rng rng(8);
+  ProblemSpec spec(1, 64, 64, 4, 2, 16, 16);
+  const OwnedInputs owned = RandomInputs(rng, spec);
+  AttentionOptions opt;
+  opt.mask = Mask::Parse("causal & local:24,0");
+  const RefResult ref = RunReference(owned, opt, nullptr);
+  const TensorView k_cache = owned.k.view(), v_cache = owned.v.view();
+  for (const int64_t len : {1, 17, 40, 64}) {
+    TensorView q_new = owned.q.view();  // row len - 1 of q
+    q_new.data = static_cast<char*>(q_new.data) +
+                 (len - 1) * q_new.stride[1] * static_cast<int64_t>(DTypeSize(q_new.dtype));
+    q_new.shape[1] = 1;
+    Tensor out_t(DType::kF32, {1, 1, 4, 16}), lse_t(DType::kF32, {1, 4, 1});
+    const TensorView out_new = out_t.view(), lse_new = lse_t.view();
+
+    // --- the README snippet ---
+    TensorView k_len = k_cache, v_len = v_cache;
+    k_len.shape[1] = v_len.shape[1] = len;
+    AttentionInputs step;
+    step.q = q_new, step.k = k_len, step.v = v_len;  // q_new [B,1,H,D]
+    step.q_positions = {len - 1};                    // the token's position: causal sees the cache
+    AttentionForward(step, opt, out_new, lse_new);   // out_new [B,1,H,Dv], lse_new [B,H,1]
+    // --- end of snippet ---
+
+    std::vector<double> want_out, want_lse;
+    for (int64_t h = 0; h < 4; ++h) {
+      for (int64_t c = 0; c < 16; ++c)
+        want_out.push_back(ref.fwd.out[((len - 1) * 4 + h) * 16 + c]);
+      want_lse.push_back(ref.fwd.lse[h * 64 + (len - 1)]);
+    }
+    // As above: a few ulps of O(1) values over <= 25 keys.
+    EXPECT_LT(Compare(ToDoubles(out_new), want_out).Relative(kMagnitudeFloor), 1e-5) << len;
+    EXPECT_LT(Compare(ToDoubles(lse_new), want_lse).Relative(1.0), 1e-5) << len;
+  }
 }
 
 }  // namespace
