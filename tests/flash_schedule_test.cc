@@ -463,7 +463,7 @@ TEST(FlashTest, HeadsTogetherMatchReferenceOnAnyThreadCount) {
 // Decoding steps (up to 8 query rows per kv head: one token with GQA, a few
 // with MHA) on the paths with a decoding kernel run in decoding mode
 // (UseDecodeStep: K and V read in place, 16 keys per vector): D and Dv that
-// are no multiple of 16 and Dv over 64 (the kernel's column tails), key
+// are no multiple of 16 or of 8 and Dv over 64 (the kernels' column tails), key
 // counts that are no multiple of 16 (its key tail), GQA and MQA (no longer
 // stacked), several rows per head that see different keys of a partial
 // tile (the last query sits 5 keys before the end of the cache), per-head
@@ -495,6 +495,9 @@ TEST(FlashTest, DecodingStepsMatchReferenceOnAnyThreadCount) {
       {{1, 2, 333, 4, 2, 32, 32}, Mask::Causal(), true, 0.0f, true, 1.0, {16, 32}},
       {{1, 1, 100, 1, 1, 16, 16}, Mask::Full(), true, 0.0f, false, 1.0, {16, 16}},
       {{1, 8, 100, 2, 2, 16, 16}, Mask::Causal(), true, 0.0f, false, 1.0, {8, 16}},
+      // Column tails of the 8-lane (AVX2) kernel too: D, Dv no multiple of 8.
+      {{1, 2, 150, 2, 2, 20, 36}, Mask::Causal(), true},
+      {{1, 1, 150, 4, 2, 12, 20}, Mask::Causal() & Mask::Local(70, 0), true},
       // More rows per kv head than the kernel takes at once, or than a q block.
       {{1, 1, 150, 12, 1, 16, 16}, Mask::Causal(), false},
       {{1, 3, 150, 8, 2, 16, 16}, Mask::Causal(), false},

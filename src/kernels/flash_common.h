@@ -297,7 +297,7 @@ int64_t ForwardHeadsTogether(const Geometry& g);
 // block with at most micro::kMaxDecodeShare rows per kv head (Sq x group:
 // one token with up to 8 query heads per kv head, up to 8 tokens of MHA),
 // f32 or bf16 inputs whose K and V rows have unit inner stride, and a path
-// with a decoding step (micro.h DecodeStepFn: the AVX-512 paths). Work items
+// with a decoding step (micro.h DecodeStepFn: the AVX-512 and AVX2 paths). Work items
 // are then groups of heads as above (whole kv groups), each kv tile one
 // decode_step on K and V in place: no tile copies, 16 keys per vector
 // rather than 1 query lane of 16 per row. Such GQA calls are not stacked

@@ -8,7 +8,7 @@
 // tiles when there are few (ForwardKvSplits: partial results merged in range
 // order), and in decoding-shaped calls taking up to kMaxHeadsTogether heads
 // tile by tile (ForwardHeadsTogether: all heads' K/V rows read in one
-// sweep) — on the AVX-512 paths, with few rows per kv head, in decoding mode
+// sweep) — on the AVX-512 and AVX2 paths, with few rows per kv head, in decoding mode
 // (UseDecodeStep, DecodeHeads: the decoding step on K and V in place, no
 // tiles). Otherwise each task packs its Q block once as Q^T
 // (lanes = queries) and walks the non-empty kv tiles of its block-map row in

@@ -198,7 +198,8 @@ using GradOperandsBf16Fn = void (*)(int64_t keys, int64_t queries, const float* 
 
 // Decoding (ForwardCall's decoding mode: a few query rows per head): one
 // exact online-softmax step of each of `heads` query rows (DecodeHead: one
-// row of one head) over `keys` K/V rows read IN PLACE, in chunks of 16 keys,
+// row of one head) over `keys` K/V rows read IN PLACE, in chunks of 16 keys
+// (8 on AVX2: the rounding differs, each path is deterministic),
 // every row's part of a chunk before the next chunk (so the rows of a token
 // for all the heads, adjacent in [B, S, H, D] tensors, stream from memory
 // together). Adjacent entries with the same k and v (the rows of one head,
@@ -251,7 +252,7 @@ struct MicroKernels {
   SoftmaxColumnsFn softmax_columns = nullptr;
   ForwardTileFn forward_tile = nullptr;
   BackwardTileFn backward_tile = nullptr;
-  DecodeStepFn decode_step = nullptr;  // AVX-512 paths only (else the tile loop decodes)
+  DecodeStepFn decode_step = nullptr;  // AVX-512 and AVX2 (else the tile loop decodes)
 };
 
 const MicroKernels& PortableMicroKernels();

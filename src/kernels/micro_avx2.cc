@@ -443,6 +443,9 @@ bool TransposeF32(int64_t rows, int64_t cols, const float* src, int64_t lds, flo
 }
 
 }  // namespace
+
+bool DecodeStep(const DecodeArgs& a);  // micro_decode_avx2.cc
+
 }  // namespace avx2
 
 const MicroKernels& Avx2MicroKernels() {
@@ -456,6 +459,7 @@ const MicroKernels& Avx2MicroKernels() {
     t.softmax_columns = avx2::SoftmaxColumns;
     t.forward_tile = avx2::ForwardTile;
     t.backward_tile = avx2::BackwardTile;
+    t.decode_step = avx2::DecodeStep;
     return t;
   }();
   return table;

@@ -239,7 +239,7 @@ TEST(NumericsPoison, DependentGradientsAreNonFinite) {
 // Decoding-sized calls: 4 query rows of an MQA group run stacked (one head
 // of 16 rows, flash_stacked.h), or of 4 MHA heads taken together kv tile by
 // kv tile (ForwardHeadsTogether), split over ranges of kv tiles
-// (ForwardKvSplits); one query row runs in decoding mode on the AVX-512
+// (ForwardKvSplits); one query row runs in decoding mode on the AVX-512/AVX2
 // paths (UseDecodeStep: its kernel's check is the logits and accumulators it
 // computes). The NaN/Inf check must still see every row it reads: a NaN key
 // or an infinite value the mask rules out stays out — in a tile no query
