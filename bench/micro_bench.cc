@@ -134,7 +134,7 @@ struct Tile {
   }
 };
 
-// The decoding step (micro.h DecodeStepFn) of 8 query heads over one kv
+// The decoding step (micro.h DecodeStepFn; avx512 and avx2) of 8 query heads over one kv
 // tile of `keys` keys read in place from [S, Hkv, D] rows, `group` heads per
 // kv head (1: MHA; 8: all eight share one kv head's rows), f32 or bf16 K/V,
 // D = Dv = 128; the state is reset every iteration (the first step's work
@@ -572,7 +572,11 @@ void FlashArgs(benchmark::internal::Benchmark* b) {
 
 BENCHMARK(BM_GemmScores)->Apply(TileArgsOf);
 BENCHMARK(BM_DecodeStep)
-    ->ArgsProduct({{static_cast<int64_t>(KernelPath::kAvx512)}, {1, 8}, {0, 1}, {256}})
+    ->ArgsProduct({{static_cast<int64_t>(KernelPath::kAvx512),
+                    static_cast<int64_t>(KernelPath::kAvx2)},
+                   {1, 8},
+                   {0, 1},
+                   {256}})
     ->ArgNames({"path", "group", "bf16", "keys"});
 BENCHMARK(BM_GemmPV)->Apply(TileArgsOf);
 BENCHMARK(BM_GemmPVStride)->Arg(144)->Arg(128)->Arg(256)->Arg(1024)->Arg(1040);
