@@ -193,7 +193,8 @@ TEST(FlashTest, HeadDimsAndRaggedShapesOnEveryPath) {
   }
 }
 
-// The paths that round P to bf16 for P V (amx with bf16 inputs) are held
+// The paths that round P to bf16 for P V (avx512_bf16 and amx with bf16
+// inputs) are held
 // elsewhere to a worst-case bound of 2^-8 max|v| on every element, loose
 // enough that a key dropped or counted twice by their tile loops (32-key
 // steps, V pairs, padding) could pass. With q = k = 0 every logit is 0, so
@@ -244,8 +245,8 @@ TEST(FlashTest, MasksGqaAndBlockShapes) {
       RunConfig s;
       s.path = path;
       s.mask = mask;
-      // bf16 too: kv blocks of 48 keys (not whole 32-key AMX k steps) on
-      // the amx path.
+      // bf16 too: kv blocks of 48 keys (not whole 32-key k steps of the
+      // bf16 P V) on the avx512_bf16 and amx paths.
       for (DType dtype : {DType::kF32, DType::kBF16}) {
         s.blocks = {16, 48};
         CheckAgainstReference({2, 70, 90, 4, 2, 32, 48}, dtype, s, false, ++seed);

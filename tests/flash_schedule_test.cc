@@ -532,7 +532,7 @@ TEST(FlashTest, DecodingStepsMatchReferenceOnAnyThreadCount) {
         const testing::RefForward ref = testing::ReferenceForward(prob.Ref(s));
         const Result r = ExpectSameOnAnyThreadCount(prob, s, what);
         // Rows stacked or run by the tile loop with P rounded to bf16 (the
-        // amx path): CheckAgainstReference's bound; decoding mode: kF32Tol.
+        // avx512_bf16 and amx paths): CheckAgainstReference's bound; decoding mode: kF32Tol.
         double tol = kF32Tol;
         if (!kernels::UseDecodeStep(p) && dtype == DType::kBF16 && RoundsP(path)) {
           tol = 2 * kF32Tol + std::ldexp(testing::MaxAbs(prob.Ref(s).v), -8) /

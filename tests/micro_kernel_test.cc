@@ -138,7 +138,7 @@ TEST(MicroKernelTest, GemmBf16MatchesDoubleLoopsOnRoundedInputs) {
   if (paths == 0) GTEST_SKIP() << "no path with a bf16 GEMM (needs AVX512_BF16)";
 }
 
-// The amx path's V pair packer for P V against plain loops: values rounded
+// The bf16 P V's V pair packer (avx512_bf16, amx) against plain loops: values rounded
 // to nearest even exactly as F32ToBF16 does, zero k padding up to whole
 // 16-pair steps, nothing written past it. Row (key) counts off every multiple.
 TEST(MicroKernelTest, Bf16PairPackerForTilePvMatchesLoops) {
@@ -173,10 +173,10 @@ TEST(MicroKernelTest, Bf16PairPackerForTilePvMatchesLoops) {
       }
     }
   }
-  if (paths == 0) GTEST_SKIP() << "no path packs V pairs for tile P V (needs AMX)";
+  if (paths == 0) GTEST_SKIP() << "no path packs V pairs for the bf16 P V (needs AVX512_BF16)";
 }
 
-// The amx forward's V pairs straight from bf16 rows: bits copied exactly,
+// The bf16 forward's V pairs straight from bf16 rows: bits copied exactly,
 // columns past cols (any count, not only multiples of 16) zero up to the
 // next multiple of 16 even though the source holds other data there (the
 // next head's), zero k padding, canaries past every row. The source is
@@ -213,10 +213,10 @@ TEST(MicroKernelTest, Bf16PairPackerFromBf16RowsMatchesLoops) {
       }
     }
   }
-  if (paths == 0) GTEST_SKIP() << "no path packs V pairs from bf16 rows (needs AMX)";
+  if (paths == 0) GTEST_SKIP() << "no path packs V pairs from bf16 rows (needs AVX512_BF16)";
 }
 
-// The amx backward's bf16 gradient operands against plain loops: P^T and
+// The bf16 backward's gradient operands (avx512_bf16, amx) against plain loops: P^T and
 // dS^T rounded to nearest even as F32ToBF16 does, lanes from `queries` to the
 // vector's end zero even where the input holds garbage there (BackwardTileFn
 // leaves them unspecified), dS transposed with keys zero up to whole 32-key
@@ -279,7 +279,7 @@ TEST(MicroKernelTest, Bf16GradientOperandsMatchLoops) {
       }
     }
   }
-  if (paths == 0) GTEST_SKIP() << "no path makes bf16 gradient operands (needs AMX)";
+  if (paths == 0) GTEST_SKIP() << "no path makes bf16 gradient operands (needs AVX512_BF16)";
 }
 
 // rows x lds random floats with a NaN in every column >= cols: what a
@@ -607,7 +607,7 @@ void StoreProduct(const std::vector<float>& a, int64_t k, const std::vector<floa
 // GEMM leaves for SoftmaxColumnsFn and SoftmaxBf16Fn).
 void StoreProducts(RandomTile& tile) { StoreProduct(tile.k, RandomTile::kD, tile.qt, tile.pt); }
 
-// SoftmaxBf16Fn (amx): the ForwardTileFn contract with P as bf16 rows
+// SoftmaxBf16Fn (avx512_bf16, amx): the ForwardTileFn contract with P as bf16 rows
 // (relative rounding <= 2^-8, bf16's unit roundoff, on top of
 // CheckForwardStep's bound), zero keys up
 // to RoundUp(keys, 32), nothing written past them. From max0 (exact for the
@@ -719,7 +719,7 @@ TEST(MicroKernelTest, SoftmaxColumnsAndForwardTileMatchDoubleMath) {
   }
 }
 
-// Also with products_stored (the amx path's tile scores): S^T and dP^T
+// Also with products_stored (the bf16 backward's stored products): S^T and dP^T
 // stored beforehand (from double sums), the epilogues run on them in place.
 // Only the AVX-512 kernels (avx512, avx512_bf16, amx) take that mode.
 TEST(MicroKernelTest, BackwardTileMatchesDoubleMath) {

@@ -46,12 +46,15 @@ inline constexpr int kMaxThreads = 1024;
 // Micro-kernel implementations. kAuto picks the fastest this CPU supports; the
 // environment variable RINGSPLASH_KERNEL=portable|avx2|avx512|avx512_bf16|amx
 // overrides kAuto (tests use the option directly). Forcing an unsupported path
-// is an Error. kAvx2 (AVX2 + FMA, 8-lane f32) is for CPUs without AVX-512;
-// kAmx is kAvx512Bf16 with bf16 products on AMX tiles (Intel Sapphire Rapids
-// and later): the forward's K Q^T and P V (P rounded to bf16), all five of
-// the backward's products (P and dS rounded to bf16 for dV, dK and dQ; with
-// bf16 dout). Linux's tile permission is requested when
-// bf16 work first reaches them (a process-wide, lasting change: see
+// is an Error. kAvx2 (AVX2 + FMA, 8-lane f32) is for CPUs without AVX-512.
+// kAvx512Bf16 runs bf16 inputs' products on vdpbf16ps: the forward's K Q^T
+// and P V (P rounded to bf16, as FlashAttention does on GPUs: |out error| <=
+// 2^-8 max|v|), all five of the backward's products (P and dS rounded to bf16
+// for dV, dK and dQ; with bf16 dout); f32 inputs run as on kAvx512, which
+// also keeps bf16 inputs' P and dS in f32 where that rounding matters.
+// kAmx is kAvx512Bf16 with those products on AMX tiles (Intel Sapphire
+// Rapids and later). Linux's tile permission is requested when bf16 work
+// first reaches them (a process-wide, lasting change: see
 // docs/PERFORMANCE.md); if refused, those products run on vdpbf16ps.
 enum class KernelPath { kAuto, kPortable, kAvx2, kAvx512, kAvx512Bf16, kAmx };
 const char* KernelPathName(KernelPath path);

@@ -122,7 +122,7 @@ class TileMask {
 // With `checked_copy`, f32 rows of unit inner stride packed per call are
 // copied by its copy_rows_f32, which also notes whether a tile's rows hold a
 // NaN or an infinity: NonFinite then needs no second read of those rows.
-// kBf16Tiles (the amx path's tile products): bf16 keys as for kBf16, but
+// kBf16Tiles (the bf16 P V of the avx512_bf16 and amx paths): bf16 keys as for kBf16, but
 // read in place where the tensor allows (unit inner stride, even row stride
 // and D: the tile GEMM's A operand takes any even leading dimension,
 // ldk_bf16()), and V is never packed or copied — the caller reads V from

@@ -15,8 +15,9 @@
 // the transposed layout of micro.h:
 //   P^T = softmax step of (K Q^T)^T   (fused, lazily rescaled: ForwardTileFn)
 //   acc = diag(alpha) acc + P V        (A = P^T read column-major)
-// (bf16 inputs on the avx512_bf16 and amx paths: K Q^T on bf16 operands; on
-// amx also P V, with P rounded to bf16 — UseBf16Scores, UseBf16Pv) and
+// (bf16 inputs on the avx512_bf16 and amx paths: K Q^T on bf16 operands and
+// P V with P rounded to bf16 — UseBf16Scores, UseBf16Pv — on vdpbf16ps or
+// AMX tiles) and
 // finally writes out = acc / l, lse = m + log(l) for its own rows only, so
 // results are bitwise independent of the thread count.
 //
@@ -59,7 +60,7 @@ constexpr int64_t kStreamMinFloats = int64_t{4} << 20;  // 16 MiB of output
 
 // The bf16 product path: K Q^T with vdpbf16ps or AMX tiles on bf16 operands
 // (bf16 inputs only, so nothing is rounded that was not already bf16); the
-// softmax stays f32, and so does P V but on the amx path (UseBf16Pv).
+// softmax stays f32, and P V rounds P to bf16 where the table can (UseBf16Pv).
 bool UseBf16Scores(const FlashParams& p, const micro::MicroKernels& mk) {
   return p.q.dtype == DType::kBF16 && mk.gemm_bf16 != nullptr;
 }
@@ -90,16 +91,18 @@ struct BlockState {
   }
 };
 
-// The bf16 P V on AMX tiles (amx path, bf16 inputs): P rounded to bf16
-// (relative error <= 2^-8 per probability, so |out error| <= 2^-8 max|v|: the
-// bf16 tolerance the tests allow), V (bf16 already, so exact) packed as pairs
-// once per fetched kv tile. P V is then ~6x faster than in f32.
+// The bf16 P V (avx512_bf16 on vdpbf16ps, amx on AMX tiles; bf16 inputs): P
+// rounded to bf16 (relative error <= 2^-8 per probability, so |out error| <=
+// 2^-8 max|v|: the bf16 tolerance the tests allow, and what FlashAttention
+// does on GPUs), V (bf16 already, so exact) packed as pairs once per fetched
+// kv tile. P V is then ~2x faster than in f32 on vdpbf16ps (a whole bf16
+// forward 1.3x on Zen 4: docs/PERFORMANCE.md), ~6x on tiles.
 bool UseBf16Pv(const FlashParams& p, const micro::MicroKernels& mk) {
   return UseBf16Scores(p, mk) && mk.pack_pairs_bf16 != nullptr &&
          mk.pack_pairs_from_bf16 != nullptr;
 }
 
-// How the call reads K and V (KvRows): on the amx path with bf16 K and V
+// How the call reads K and V (KvRows): with the bf16 P V and bf16 K and V
 // of unit inner stride, K in place for the tile GEMMs and V pairs packed
 // straight from the tensor (no per-call copies: at S = 32768 they were
 // ~40 % of a sliding-window forward's samples, page faults included).
@@ -109,7 +112,8 @@ KvRows::KeyFormat KeyFormatFor(const FlashParams& p, bool bf16, bool bf16_pv) {
   return tensor_pairs ? KvRows::KeyFormat::kBf16Tiles : KvRows::KeyFormat::kBf16;
 }
 
-// Keys of a kv tile as the bf16 P V sees them: whole 16-pair AMX k steps.
+// Keys of a kv tile as the bf16 P V sees them: whole 16-pair AMX k steps
+// (vdpbf16ps multiplies the zero pairs too: the same layout on both paths).
 int64_t PvKeys(const Geometry& g) { return RoundUp(g.bkv, 32); }
 
 // Whether x[0, n) holds a NaN or an infinity (exponent bits all ones), in a
@@ -623,7 +627,7 @@ class ForwardCall {
     ++w.computed;
   }
 
-  // acc = diag(alpha) acc + P V on AMX tiles: P is ws.p_bf16 (bf16 rows,
+  // acc = diag(alpha) acc + P V on bf16 pairs: P is ws.p_bf16 (bf16 rows,
   // written by softmax_bf16), V is ws.v_pairs (packed by Group). The tile
   // GEMM cannot scale C, so rows whose alpha is not 1 (exact steps only:
   // lazy steps leave alpha at 1) are scaled first.

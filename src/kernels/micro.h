@@ -60,15 +60,15 @@ using GemmBf16Fn = void (*)(int64_t m, int64_t n, int64_t k2, const uint16_t* a,
                             const uint16_t* b, int64_t ldb, float* c, int64_t ldc,
                             const float* row_scale, bool accumulate);
 
-// B operands of the amx path's tile GEMMs (micro_amx.cc; the forward's V,
-// the backward's Q^T, dO^T, Q, dO and K): f32 rows as bf16 pairs, rounded
+// B operands of the bf16 products of the avx512_bf16 and amx paths (the
+// forward's V, the backward's Q^T, dO^T, Q, dO and K): f32 rows as bf16 pairs, rounded
 // to nearest even,
 //   dst[((r / 2) * ldd + c) * 2 + r % 2] = bf16(src[r * lds + c]), zero rows
 //   from `rows` to RoundUp(rows, 32) (whole 16-pair k steps); cols % 16 == 0.
 using PackPairsBf16Fn = void (*)(int64_t rows, int64_t cols, const float* src, int64_t lds,
                                  uint16_t* dst, int64_t ldd);
 
-// The same pairs straight from bf16 rows (the amx forward's V, read from the
+// The same pairs straight from bf16 rows (the bf16 forward's V, read from the
 // caller's tensor: no rounding, no f32 copy). Any cols: columns from cols
 // to RoundUp(cols, 16) are written as zeros and src is read only at r <
 // rows, c < cols (the row may end where another head's begins, or the
@@ -153,7 +153,7 @@ using SoftmaxColumnsFn = void (*)(const TileArgs& t, float* row_max, float* row_
 // still a deterministic function of the inputs and tile order.
 constexpr float kLazySumLimit = 1048576.0f;  // 2^20
 
-// The amx forward's step: that of ForwardTileFn (exact, or lazy) on the raw
+// The bf16 P V's step: that of ForwardTileFn (exact, or lazy) on the raw
 // products already in t.pt (as SoftmaxColumnsFn takes them), but P is
 // written only as bf16 rows, the A operand of the tile P V:
 //   p[i * ldpb + j] = bf16(P^T_ji) for i < queries, j < keys, and zero for
@@ -177,14 +177,14 @@ struct BackwardTileArgs {
   const float* delta = nullptr;  // [queries]
   float* ds = nullptr;
   float* deriv = nullptr;  // keys * ldp floats of working space when softcap > 0
-  // The amx path: S^T (raw products K Q^T) is already in t.pt and dP^T in ds,
-  // from tile GEMMs; t.k, t.qt, v and dot are then unused. Only the AVX-512
+  // The bf16 backward (avx512_bf16, amx): S^T (raw products K Q^T) is already
+  // in t.pt and dP^T in ds, from GemmBf16Fn; t.k, t.qt, v and dot are then unused. Only the AVX-512
   // BackwardTile (avx512, avx512_bf16 and amx tables) accepts this.
   bool products_stored = false;
 };
 using BackwardTileFn = void (*)(const BackwardTileArgs& b);
 
-// The amx backward's A operands of its three gradient products, rounded to
+// The bf16 backward's A operands of its three gradient products, rounded to
 // bf16 (nearest even) from a backward tile's P^T and dS^T (ldp):
 //   pt_rows[j * ldr + i] = bf16(P^T_ji), ds_rows[j * ldr + i] = bf16(dS^T_ji)
 //     for j < keys, i < mp (zero for i >= queries): the A of dV += P^T dO and
@@ -239,9 +239,9 @@ struct MicroKernels {
   GemmF32Fn gemm_f32 = nullptr;
   GemmF32RangesFn gemm_f32_ranges = nullptr;
   GemmBf16Fn gemm_bf16 = nullptr;  // only on the avx512_bf16 and amx paths
-  // Only on the amx path: bf16 pairs for tile GEMMs (the forward's V, the
-  // backward's Q^T, dO^T, Q, dO and K), the forward's step writing P as bf16
-  // rows and the backward's bf16 P^T, dS^T and dS.
+  // Only on the avx512_bf16 and amx paths: bf16 pairs for GemmBf16 (the
+  // forward's V, the backward's Q^T, dO^T, Q, dO and K), the forward's step
+  // writing P as bf16 rows and the backward's bf16 P^T, dS^T and dS.
   PackPairsBf16Fn pack_pairs_bf16 = nullptr;
   PackPairsFromBf16Fn pack_pairs_from_bf16 = nullptr;
   SoftmaxBf16Fn softmax_bf16 = nullptr;

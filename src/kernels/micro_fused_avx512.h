@@ -93,8 +93,8 @@ void Blocks(int64_t rows, int64_t mp, int64_t k, const float* a, int64_t lda, co
             });
 }
 
-// BlockWalk over products already stored in c (ldc): what a tile GEMM on
-// other units (the amx path) leaves for the same epilogues. An epilogue may
+// BlockWalk over products already stored in c (ldc): what a bf16 GEMM
+// (GemmBf16Fn: vdpbf16ps, AMX tiles) leaves for the same epilogues. An epilogue may
 // overwrite the block it was handed (it has been loaded).
 template <class Epilogue>
 void StoredBlocks(int64_t rows, int64_t mp, const float* c, int64_t ldc, const uint16_t* bits,

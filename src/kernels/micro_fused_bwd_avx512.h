@@ -1,6 +1,6 @@
 // The fused backward tile of the AVX-512 kernels (BackwardTileFn), as a
 // template over where its two products come from: computed in registers
-// (micro_fused_bwd_avx512.cc) or stored by the amx path's tile GEMMs
+// (micro_fused_bwd_avx512.cc) or stored by the bf16 products (GemmBf16Fn)
 // (micro_fused_bwd_stored_avx512.cc). Two files, so that the two sets of
 // unrolled block instantiations compile on two cores at once (an instrumented
 // sanitizer build of both in one file took 360 s). lse is known, so P^T =

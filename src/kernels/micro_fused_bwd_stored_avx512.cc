@@ -1,5 +1,5 @@
 // BackwardTileFn of the AVX-512 kernels on products already stored in t.pt
-// and b.ds (BackwardTileArgs::products_stored: the amx path's tile GEMMs);
+// and b.ds (BackwardTileArgs::products_stored: the bf16 products' GemmBf16Fn);
 // the epilogues are micro_fused_bwd_avx512.h's.
 // GCC 12's AVX-512 intrinsic headers initialise "undefined" operands from
 // themselves, which -W(maybe-)uninitialized reports at every inlined use (GCC

@@ -19,7 +19,7 @@ void Expect(std::ostringstream& failures, const std::string& label, const char* 
 }  // namespace
 
 bool RoundsBf16Operands(KernelPath path, DType dtype) {
-  return path == KernelPath::kAmx && dtype == DType::kBF16;
+  return (path == KernelPath::kAvx512Bf16 || path == KernelPath::kAmx) && dtype == DType::kBF16;
 }
 
 double UnitRoundoff(DType dtype) {
@@ -63,14 +63,14 @@ std::string CheckF32(const OwnedInputs& in, AttentionOptions opt,
 // inputs (what the API was given), so input rounding is not an error of the
 // kernels. What remains:
 //  - forward: f32 accumulation everywhere (error comparable to an f32 run),
-//    except that the amx path rounds the probabilities P to bf16 before
-//    the P V product (its tile GEMM takes bf16 operands). Each P element
+//    except that the avx512_bf16 and amx paths round the probabilities P to
+//    bf16 before the P V product (their GEMMs take bf16 operands). Each P element
 //    then has relative error <= u, so |d out| <= u * sum_j p_j |v_j| <=
 //    u * max|v|: slack u * max|v| relative to max|out| (on every path). lse is accumulated from
 //    unrounded P (no slack).
 //  - backward: given the same out and lse its error is that of an f32 run
-//    (bf16 x bf16 products are exact in f32), except that the amx path with
-//    bf16 q, k, v and dout rounds P and dS to bf16 (relative error <= u
+//    (bf16 x bf16 products are exact in f32), except that avx512_bf16 and
+//    amx with bf16 q, k, v and dout round P and dS to bf16 (relative error <= u
 //    each) for the dV, dK and dQ products. Then |d dv_j| <= u sum_i p_ij
 //    |dout_i| (dv_terms, which ErrorsOf measures dv against: slack u) and
 //    |d dq_i| <= u scale sum_j |ds_ij| |k_j| (dq_ds_terms; dk alike), which

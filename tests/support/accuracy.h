@@ -33,7 +33,7 @@ struct Tolerances {
 };
 
 // Whether `path` rounds f32 intermediates to bf16 for its tile products
-// when the inputs (and dout) are `dtype`: the amx path with bf16 rounds P
+// when the inputs (and dout) are `dtype`: avx512_bf16 and amx with bf16 round P
 // for the forward's P V, and P and dS for the backward's dV, dK and dQ
 // (relative error <= 2^-8 each; flash_forward.cc, flash_backward.cc).
 bool RoundsBf16Operands(KernelPath path, DType dtype);

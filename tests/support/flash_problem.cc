@@ -142,7 +142,7 @@ void CheckAgainstReference(const Shape& sh, DType dtype, const RunConfig& s, boo
                            " h=" + std::to_string(sh.h) + " hkv=" + std::to_string(sh.hkv);
   // bf16 products (avx512_bf16 and amx with bf16 inputs) compute S exactly
   // like f32 on the rounded inputs (bf16 x bf16 products are exact in f32);
-  // amx also rounds P to bf16 (relative 2^-8, bf16's unit roundoff) for
+  // both also round P to bf16 (relative 2^-8, bf16's unit roundoff) for
   // P V. |out_i error| <= 2^-8 sum_j p_ij |v_j| <= 2^-8 max|v|, plus 2x the
   // f32 error allowance for the rest.
   double out_tol = kF32Tol;

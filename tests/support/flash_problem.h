@@ -60,8 +60,9 @@ class Problem {
     q_pos_ = in_.q_positions.empty() ? Iota(spec.sq) : in_.q_positions;
     kv_pos_ = in_.kv_positions.empty() ? Iota(spec.skv) : in_.kv_positions;
     scale_ = 1.0f / std::sqrt(static_cast<float>(spec.d));
-    // dout in the inputs' dtype: with bf16 q, k, v and dout the amx path
-    // runs all five of the backward's products on tiles (flash_backward.cc).
+    // dout in the inputs' dtype: with bf16 q, k, v and dout the avx512_bf16
+    // and amx paths run all five of the backward's products on bf16 operands
+    // (flash_backward.cc).
     dout_ = RandomTensor(rng_, spec.dtype, {spec.b, spec.sq, spec.h, spec.dv});
   }
 
@@ -120,7 +121,7 @@ class Problem {
   Tensor dout_;
 };
 
-// Paths whose bf16 forward rounds P to bf16 for P V (the amx path's tiles).
+// Paths whose bf16 forward rounds P to bf16 for P V (avx512_bf16, amx).
 bool RoundsP(KernelPath path);
 
 // actual against expected, relative to expected's largest magnitude.
@@ -135,8 +136,8 @@ void ExpectWithinTerms(const std::vector<float>& actual, const std::vector<doubl
 
 // dq, dk and dv of run r against the reference g within `tol` (f32 math on
 // the rounded inputs), relative to each tensor's largest magnitude. Where the
-// path rounds P and dS to bf16 for its gradient products (the amx backward
-// with bf16 q, k, v and dout: dtype is also dout's), each element errs by up
+// path rounds P and dS to bf16 for its gradient products (the avx512_bf16
+// and amx backward with bf16 q, k, v and dout: dtype is also dout's), each element errs by up
 // to 2^-8 times the sum of the magnitudes of the terms the rounding touches
 // (RefBackward::dq_ds_terms, dk_ds_terms, dv_terms; only one operand of each
 // product is rounded, the other is an exact bf16 input), plus the f32 error.

@@ -49,12 +49,12 @@ struct RefBackward {
   std::vector<double> dq_terms;
   std::vector<double> dk_terms;
   // Same shape as dv: sum_i p_ij |dout_i|, the magnitudes of dv's terms.
-  // Products rounded to bf16 (the amx backward rounds P to bf16 for dV)
+  // Products rounded to bf16 (the bf16 backward rounds P to bf16 for dV)
   // err by up to u times this, however much the signed terms cancel.
   std::vector<double> dv_terms;
   // Same shapes as dq and dk: sum_j |scale ds_ij k_j| and sum_i |scale ds_ij
   // q_i| with the exact ds (dq_terms, dk_terms bound ds's own rounding and
-  // are larger). Rounding dS to bf16 (the amx backward's dQ and dK) errs by
+  // are larger). Rounding dS to bf16 (the bf16 backward's dQ and dK) errs by
   // up to u times these.
   std::vector<double> dq_ds_terms;
   std::vector<double> dk_ds_terms;
