@@ -49,7 +49,8 @@ EOF
 
 gnuplot <<EOF
 load "$tmp/peaks.gp"
-set terminal pngcairo size 900,560 font "sans,11"
+# noenhanced: path names such as avx512_bf16 are text, not subscripts.
+set terminal pngcairo size 900,560 font "sans,11" noenhanced
 set output "$out/gflops_vs_seq.png"
 set title "ringsplash single-device attention, B=1 H=8 D=128, full mask, 2 threads\n$(lscpu | sed -n 's/^Model name: *//p')"
 set xlabel "sequence length S (= Sq = Skv)"
@@ -57,7 +58,7 @@ set ylabel "useful GFLOP/s"
 set logscale x 2
 set xrange [768:11000]
 set yrange [0:*]
-set key top left
+set key bottom right
 set grid
 plot "$tmp/fwd_f32.dat" using 1:2 with linespoints lw 2 pt 7 title sprintf("forward f32 (%s)", path_fwd_f32), \
      "$tmp/fwd_bf16.dat" using 1:2 with linespoints lw 2 pt 5 title sprintf("forward bf16 (%s)", path_fwd_bf16), \

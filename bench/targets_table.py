@@ -11,7 +11,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 CASES = {
     "fwd_f32_d128": "forward f32, B=1 S=4096 H=Hkv=8 D=128, full, 1 rank x 2 threads",
-    "fwd_bf16_d128": "forward bf16, same (vector path)",
+    "fwd_bf16_d128": "forward bf16, same (vector path: kAuto's, or avx512 where kAuto is amx)",
     "fwd_bf16_amx_d128": "forward bf16, same, amx path vs vector path (not a target)",
     "fwd_f32_d64": "forward f32, same, D=64",
     "bwd_f32_d128": "backward f32 (`--pass bwd`), S=4096 D=128",
@@ -48,7 +48,8 @@ def detail(r):
     if case.startswith(("fwd", "bwd")):
         gf = sorted(run["gflops"] for run in runs)
         pk = sorted(run["peak_gflops"] for run in runs)
-        return f"{spread}; {gf[len(gf) // 2]:.0f} of {pk[len(pk) // 2]:.0f} GFLOP/s (median)"
+        return (f"{spread}; {gf[len(gf) // 2]:.0f} of {pk[len(pk) // 2]:.0f} GFLOP/s (median); "
+                f"path {runs[0].get('kernel_path', '?')}")
     if case.startswith("causal"):
         return f"{spread}; seconds {runs[0]['seconds']:.2f} full, {runs[1]['seconds']:.2f} causal"
     if case.startswith("window"):
@@ -77,8 +78,12 @@ def main():
     print("|---|---|---|---|---|---|")
     for r in rows:
         value = r.get("value")
-        measured = "error" if value is None else fmt(value, 1 if value > 10 else 3)
-        met = "—" if r.get("target") == "informational" else "yes" if r["pass"] else "**no**"
+        informational = r.get("target") == "informational"
+        if value is None:  # an informational row with nothing to measure here, or a failure
+            measured = "n/a" if informational and r.get("pass") else "error"
+        else:
+            measured = fmt(value, 1 if value > 10 else 3)
+        met = "—" if informational else "yes" if r["pass"] else "**no**"
         print(f"| {CASES.get(r['case'], r['case'])} | {r.get('target', '')} | {measured} | "
               f"{met} | {r['load_avg']} | "
               f"{detail(r) if value is not None else r.get('error', '')[:80]} |")

@@ -462,7 +462,7 @@ TEST(FlashTest, HeadsTogetherMatchReferenceOnAnyThreadCount) {
 
 // Decoding steps (up to 8 query rows per kv head: one token with GQA, a few
 // with MHA) on the paths with a decoding kernel run in decoding mode
-// (UseDecodeStep: K and V read in place, 16 keys per vector): D and Dv that
+// (UseDecodeStep: K and V read in place, 16 keys per vector, 8 on AVX2): D and Dv that
 // are no multiple of 16 or of 8 and Dv over 64 (the kernels' column tails), key
 // counts that are no multiple of 16 (its key tail), GQA and MQA (no longer
 // stacked), several rows per head that see different keys of a partial

@@ -122,10 +122,10 @@ class TileMask {
 // With `checked_copy`, f32 rows of unit inner stride packed per call are
 // copied by its copy_rows_f32, which also notes whether a tile's rows hold a
 // NaN or an infinity: NonFinite then needs no second read of those rows.
-// kBf16Tiles (the bf16 P V of the avx512_bf16 and amx paths): bf16 keys as for kBf16, but
-// read in place where the tensor allows (unit inner stride, even row stride
-// and D: the tile GEMM's A operand takes any even leading dimension,
-// ldk_bf16()), and V is never packed or copied — the caller reads V from
+// kBf16Tiles (the bf16 P V of the avx512_bf16 and amx paths): bf16 keys
+// as for kBf16, but read in place where the tensor allows (unit inner
+// stride, even row stride and D: the bf16 GEMM's A operand takes any even
+// leading dimension, ldk_bf16()), and V is never packed or copied — the caller reads V from
 // the tensor itself (Values() is then null).
 class KvRows {
  public:
@@ -299,8 +299,8 @@ int64_t ForwardHeadsTogether(const Geometry& g);
 // f32 or bf16 inputs whose K and V rows have unit inner stride, and a path
 // with a decoding step (micro.h DecodeStepFn: the AVX-512 and AVX2 paths). Work items
 // are then groups of heads as above (whole kv groups), each kv tile one
-// decode_step on K and V in place: no tile copies, 16 keys per vector
-// rather than 1 query lane of 16 per row. Such GQA calls are not stacked
+// decode_step on K and V in place: no tile copies, 16 keys per vector (8
+// on AVX2) rather than 1 query lane of 16 per row. Such GQA calls are not stacked
 // (StackedHeads::Applies): a kv head's rows are loaded once for all its
 // query rows. With more rows per kv head the stacked tile loop is faster
 // (H = 64, Hkv = 4, one token: 8.7 ms stacked, 11.5 ms decoding, f32).
