@@ -498,6 +498,11 @@ TEST(FlashTest, DecodingStepsMatchReferenceOnAnyThreadCount) {
       // Column tails of the 8-lane (AVX2) kernel too: D, Dv no multiple of 8.
       {{1, 2, 150, 2, 2, 20, 36}, Mask::Causal(), true},
       {{1, 1, 150, 4, 2, 12, 20}, Mask::Causal() & Mask::Local(70, 0), true},
+      // Dv over 64 and no multiple of 8; 5 to 7 rows sharing each K/V row.
+      {{1, 1, 150, 2, 2, 24, 70}, Mask::Causal(), true},
+      {{1, 5, 150, 2, 2, 16, 24}, Mask::Causal(), true},
+      {{1, 1, 150, 6, 1, 16, 16}, Mask::Causal() & Mask::Local(40, 0), true},
+      {{1, 7, 130, 1, 1, 8, 40}, Mask::Causal(), true},
       // More rows per kv head than the kernel takes at once, or than a q block.
       {{1, 1, 150, 12, 1, 16, 16}, Mask::Causal(), false},
       {{1, 3, 150, 8, 2, 16, 16}, Mask::Causal(), false},
