@@ -370,7 +370,7 @@ void BM_GemmBf16Scores(benchmark::State& state) {
   SetFlops(state, 2.0 * m * n * d);
 }
 
-// A gradient product of the amx backward, dV += P^T dO (dK, dQ alike): bkv
+// A gradient product of the bf16 backward, dV += P^T dO (dK, dQ alike): bkv
 // rows, D columns, bq queries (pairs of them) summed into C. Args: path,
 // bq, bkv, d.
 void BM_GemmBf16Accumulate(benchmark::State& state) {

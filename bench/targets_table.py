@@ -46,10 +46,11 @@ def detail(r):
                 f"({amx['amx_peak_gflops']:.0f} GFLOP/s), {amx['fraction_of_peak']:.2f} x the "
                 "vector peak")
     if case.startswith(("fwd", "bwd")):
-        gf = sorted(run["gflops"] for run in runs)
-        pk = sorted(run["peak_gflops"] for run in runs)
-        return (f"{spread}; {gf[len(gf) // 2]:.0f} of {pk[len(pk) // 2]:.0f} GFLOP/s (median); "
-                f"path {runs[0].get('kernel_path', '?')}")
+        # The median run's own figures (medians taken apart would not divide
+        # to the reported fraction).
+        med = min(runs, key=lambda run: abs(run["fraction_of_peak"] - r["value"]))
+        return (f"{spread}; {med['gflops']:.0f} of {med['peak_gflops']:.0f} GFLOP/s (median run); "
+                f"path {med.get('kernel_path', '?')}")
     if case.startswith("causal"):
         return f"{spread}; seconds {runs[0]['seconds']:.2f} full, {runs[1]['seconds']:.2f} causal"
     if case.startswith("window"):

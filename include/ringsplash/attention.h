@@ -110,10 +110,11 @@ struct KernelStats {
 };
 
 // Forward: writes out and lse. Throws Error on any invalid argument. The
-// kernels compute in f32; a contiguous f32 out, or a bf16 out whose rows have
-// unit stride and whose dims nest (e.g. [B, S, H, D] or [B, H, S, D] views),
-// with or without sinks, is written directly, other outputs through an f32
-// copy of out.
+// kernels accumulate in f32 (bf16 inputs on the avx512_bf16 and amx paths
+// round P, and in the backward dS, to bf16 for their products: KernelPath);
+// a contiguous f32 out, or a bf16 out whose rows have unit stride and whose
+// dims nest (e.g. [B, S, H, D] or [B, H, S, D] views), with or without
+// sinks, is written directly, other outputs through an f32 copy of out.
 void AttentionForward(const AttentionInputs& in, const AttentionOptions& opt, TensorView out,
                       TensorView lse, KernelStats* stats = nullptr);
 

@@ -103,7 +103,7 @@ bool UseBf16Pv(const FlashParams& p, const micro::MicroKernels& mk) {
 }
 
 // How the call reads K and V (KvRows): with the bf16 P V and bf16 K and V
-// of unit inner stride, K in place for the tile GEMMs and V pairs packed
+// of unit inner stride, K in place for the bf16 GEMMs and V pairs packed
 // straight from the tensor (no per-call copies: at S = 32768 they were
 // ~40 % of a sliding-window forward's samples, page faults included).
 KvRows::KeyFormat KeyFormatFor(const FlashParams& p, bool bf16, bool bf16_pv) {
