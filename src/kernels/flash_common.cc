@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdint>
 #include <cstring>
 #include <span>
 
@@ -353,6 +354,22 @@ bool PackTransposed(const micro::MicroKernels& mk, const TensorView& t, int64_t 
     PackRowsF32(Slab{&t, b, head, r0, rows, cols}, rows_f32.data(), cols, rows);
     return mk.transpose_f32(rows, cols, rows_f32.data(), cols, dst, ld);
   }
+}
+
+void PackTransposedPairsBf16(const micro::MicroKernels& mk, const TensorView& t, int64_t b,
+                             int64_t head, int64_t r0, int64_t rows, uint16_t* dst, int64_t ld) {
+  const int64_t cols = t.shape[3];
+  const auto* first = static_cast<const uint16_t*>(t.data) + t.Offset(b, r0, head, 0);
+  const bool words = t.dtype == DType::kBF16 && t.stride[3] == 1 && cols % 2 == 0 &&
+                     t.stride[1] % 2 == 0 && reinterpret_cast<uintptr_t>(first) % 4 == 0;
+  if (!words) {
+    PackTransposedBf16Pairs(Slab{&t, b, head, r0, rows, cols}, dst, ld);
+    return;
+  }
+  // Loaded and stored by intrinsics only (micro.h TransposeF32Fn on the
+  // AVX-512 tables, the only ones with bf16 products), which may alias.
+  mk.transpose_f32(rows, cols / 2, reinterpret_cast<const float*>(first), t.stride[1] / 2,
+                   reinterpret_cast<float*>(dst), ld);
 }
 
 void AddStats(const std::vector<WorkerStats>& per_worker, KernelStats* stats) {

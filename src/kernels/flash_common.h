@@ -259,6 +259,18 @@ class KvTileCache {
 bool PackTransposed(const micro::MicroKernels& mk, const TensorView& t, int64_t b, int64_t head,
                     int64_t r0, int64_t rows, float* dst, int64_t ld);
 
+// Q^T of rows [r0, r0 + rows) as bf16 pairs, the layout of
+// PackTransposedBf16Pairs (tile_pack.h): dst[((c / 2) * ld + r) * 2 + c % 2],
+// zero for r >= rows up to ld and for c = C when C is odd. Two adjacent bf16
+// of a row are one 32-bit word, and these pairs are the transpose of the
+// rows' words: bf16 views with unit inner stride, even C and 4-byte aligned
+// rows go through the micro-kernels' 16 x 16 f32 transpose (moving words;
+// its NaN/Inf answer means nothing for pairs and is not used), others
+// through the element loop, which cost ~8 % of a bf16 sliding-window
+// forward. ld >= RoundUp(rows, kVec).
+void PackTransposedPairsBf16(const micro::MicroKernels& mk, const TensorView& t, int64_t b,
+                             int64_t head, int64_t r0, int64_t rows, uint16_t* dst, int64_t ld);
+
 // Grows a per-thread scratch buffer to at least n elements.
 template <typename T>
 T* Grow(AlignedBuffer<T>& buf, int64_t n) {

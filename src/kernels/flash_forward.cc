@@ -506,7 +506,7 @@ class ForwardCall {
     const int64_t m = g_.QRows(qb);
     bool bad = false;  // a NaN or inf in the block's q rows
     if (bf16_) {
-      PackTransposedBf16Pairs(Slab{&p_.q, b, h, qb * g_.bq, m, g_.d}, s.qt_bf16.data(), g_.ld_q);
+      PackTransposedPairsBf16(mk_, p_.q, b, h, qb * g_.bq, m, s.qt_bf16.data(), g_.ld_q);
       bad = check_ && AnyNonFinite(p_.q, b, qb * g_.bq, m, h);
     } else {
       bad = PackTransposed(mk_, p_.q, b, h, qb * g_.bq, m, s.qt.data(), g_.ld_q);

@@ -1,0 +1,102 @@
+// PackTransposedPairsBf16 (src/kernels/flash_common.h): the bf16 forward's
+// Q^T as bf16 pairs, through the micro-kernels' 32-bit transpose where the
+// rows allow it (bf16, unit inner stride, even C, 4-byte aligned rows) and
+// through the element loop otherwise. Both against the layout written out
+// here element by element, on every path with bf16 products, for views
+// that take each road: contiguous, [B, H, S, D] memory, odd C (with odd and
+// even row strides), a base
+// pointer 2 bytes off alignment, an odd row stride, f16 data; row counts
+// and word counts off every multiple of 16. End results of the forward are
+// checked against the f64 reference in flash_kernel_test.cc.
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "ringsplash/attention.h"
+#include "ringsplash/tensor.h"
+#include "src/kernels/flash_common.h"
+#include "src/kernels/micro.h"
+
+namespace ringsplash {
+namespace {
+
+struct ViewCase {
+  std::string name;
+  int64_t c;            // elements per row
+  bool bhsd = false;    // [B, H, S, C] memory viewed as [B, S, H, C]
+  bool offset = false;  // data starts one element (2 bytes) into the buffer
+  int64_t pad = 0;      // extra elements per position (row stride H * C + pad)
+  DType dtype = DType::kBF16;
+};
+
+constexpr int64_t kB = 2, kS = 40, kH = 3;
+
+TEST(TilePackTest, TransposedPairsMatchTheLayoutOnEveryRoad) {
+  const std::vector<ViewCase> cases = {
+      {"contiguous C=128", 128},
+      {"contiguous C=34 (17 words)", 34},
+      {"contiguous C=2", 2},
+      {"bhsd C=64", 64, true},
+      {"odd C=33", 33},
+      {"odd C=33, even row stride", 33, false, false, 1},
+      {"misaligned base C=64", 64, false, true},
+      {"odd row stride C=32", 32, false, false, 1},
+      {"even padded row stride C=36", 36, false, false, 2},
+      {"f16 C=32", 32, false, false, 0, DType::kF16},
+  };
+  std::mt19937 rng(7);
+  std::uniform_int_distribution<int> bits(0, 0xFFFF);
+  int paths = 0;
+  for (KernelPath path : SupportedKernelPaths()) {
+    const kernels::micro::MicroKernels& mk = kernels::micro::MicroKernelsFor(path);
+    if (mk.gemm_bf16 == nullptr) continue;  // only the bf16 product paths pack pairs
+    ++paths;
+    for (const ViewCase& vc : cases) {
+      const int64_t row = kH * vc.c + vc.pad;  // elements per position
+      std::vector<uint16_t> buf(static_cast<size_t>(kB * kS * row + 1));
+      for (uint16_t& x : buf) {
+        // Finite values only: exponent bits below all-ones in bf16 and f16.
+        x = static_cast<uint16_t>(bits(rng) & 0x3FFF);
+      }
+      TensorView t;
+      t.data = buf.data() + (vc.offset ? 1 : 0);
+      t.dtype = vc.dtype;
+      t.ndim = 4;
+      t.shape = {kB, kS, kH, vc.c};
+      t.stride = vc.bhsd ? std::array<int64_t, 4>{kH * kS * vc.c, vc.c, kS * vc.c, 1}
+                         : std::array<int64_t, 4>{kS * row, row, vc.c, 1};
+      for (const auto& [r0, rows] :
+           {std::pair<int64_t, int64_t>{0, 40}, {3, 17}, {5, 1}, {8, 32}}) {
+        const int64_t ld = (rows + 15) / 16 * 16 + 16;
+        const int64_t c2 = (vc.c + 1) / 2 * 2;
+        const int64_t extent = c2 * ld;
+        constexpr uint16_t kCanary = 0xABCD;
+        std::vector<uint16_t> got(static_cast<size_t>(extent + 64), kCanary);
+        kernels::PackTransposedPairsBf16(mk, t, 1, 2, r0, rows, got.data(), ld);
+        for (int64_t e = 0; e < extent + 64; ++e) {
+          const int64_t pair_row = e / (2 * ld), r = (e / 2) % ld, c = 2 * pair_row + e % 2;
+          uint16_t want = kCanary;
+          if (e < extent) {
+            want = 0;
+            if (r < rows && c < vc.c) {
+              const uint16_t stored =
+                  static_cast<const uint16_t*>(t.data)[t.Offset(1, r0 + r, 2, c)];
+              // Other dtypes are rounded to bf16 on the way (tile_pack.h).
+              want = vc.dtype == DType::kBF16 ? stored : F32ToBF16(F16ToF32(stored));
+            }
+          }
+          ASSERT_EQ(got[static_cast<size_t>(e)], want)
+              << KernelPathName(path) << ' ' << vc.name << " r0=" << r0 << " rows=" << rows
+              << " element " << e << " (query " << r << ", column " << c << ")";
+        }
+      }
+    }
+  }
+  if (paths == 0) GTEST_SKIP() << "no path with bf16 products (needs AVX512_BF16)";
+}
+
+}  // namespace
+}  // namespace ringsplash
