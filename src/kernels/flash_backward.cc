@@ -9,8 +9,8 @@
 // That is the five products the FLOP count of the CLI assumes (2.5 x forward).
 // On the avx512_bf16 and amx paths with bf16 q, k, v and dout all five run
 // on bf16 operands (Context::tile_products; vdpbf16ps, or AMX tiles): S^T
-// and dP^T from the bf16 inputs (exact
-// products, f32 sums), which the kernel's epilogues then read from memory;
+// and dP^T from the bf16 inputs (exact products, f32 sums), which the
+// kernel's epilogues then read from memory;
 // dV, dK and dQ with P^T and dS^T rounded to bf16 (relative error <= 2^-8
 // each, as FlashAttention's bf16 backward on GPUs; f32 sums).
 //
@@ -197,8 +197,8 @@ constexpr int64_t kKvGroup = 4;
 struct Workspace {
   AlignedBuffer<float> pt, ds, deriv, tile, dq;
   AlignedBuffer<float> dk, dv;  // [kKvGroup][bkv][ld_d] and [kKvGroup][bkv][ld_dv]
-  // bf16 products (avx512_bf16 and amx paths, bf16 q, k, v and dout), the q side's pairs
-  // being in QTile and K's bf16 rows in KvRows: V rows as bf16 (ld
+  // bf16 products (avx512_bf16 and amx paths, bf16 q, k, v and dout), the
+  // q side's pairs being in QTile and K's bf16 rows in KvRows: V rows as bf16 (ld
   // RoundUp(Dv, 2)) and K paired over keys (ld ld_d) once per kv tile of a
   // group (slot = its place in the group); P^T and dS^T as bf16 rows (ld
   // ld_q) and dS as bf16 rows (ld RoundUp(bkv, 32)) per tile.
@@ -244,8 +244,7 @@ struct Context {
   const float* delta;
   // All five products on bf16 operands (GemmBf16Fn: vdpbf16ps or AMX
   // tiles; q, k, v and dout bf16, so the bf16 operands made from them are
-  // exact; K read through
-  // KvRows::KeysBf16): S^T = K Q^T and dP^T = V dO^T stored, then
+  // exact; K read through KvRows::KeysBf16): S^T = K Q^T and dP^T = V dO^T stored, then
   // BackwardTile's epilogues; dV, dK and dQ from bf16 P^T and dS^T
   // (GradOperandsBf16Fn).
   bool tile_products;

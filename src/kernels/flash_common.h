@@ -125,8 +125,8 @@ class TileMask {
 // kBf16Tiles (the bf16 P V of the avx512_bf16 and amx paths): bf16 keys
 // as for kBf16, but read in place where the tensor allows (unit inner
 // stride, even row stride and D: the bf16 GEMM's A operand takes any even
-// leading dimension, ldk_bf16()), and V is never packed or copied — the caller reads V from
-// the tensor itself (Values() is then null).
+// leading dimension, ldk_bf16()), and V is never packed or copied — the
+// caller reads V from the tensor itself (Values() is then null).
 class KvRows {
  public:
   // kF32Padded: rows of ld_d, zero padded.

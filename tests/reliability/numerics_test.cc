@@ -93,11 +93,8 @@ void ExpectPoisonRule(const OwnedInputs& in, const AttentionOptions& opt, const 
   const OwnedInputs clean = CleanCopy(in);
   const Tensor clean_dout = CleanCopy(dout);
   const RefResult ref = RunReference(clean, opt, &clean_dout);
-  double out_tol = kOutTol;
-  if (rounds_p) {
-    out_tol +=
-        std::ldexp(MaxAbs(ToDoubles(clean.v.view())), -8) / std::max(MaxAbs(ref.fwd.out), 1e-30);
-  }
+  const double out_tol =
+      kOutTol + (rounds_p ? PRoundingSlack(ToDoubles(clean.v.view()), ref.fwd.out) : 0.0);
   const int64_t sq = ai.q.shape[1], h = ai.q.shape[2], d = ai.q.shape[3];
   const int64_t dv = ai.v.shape[3];
   // [B, Sq, H, X] element -> [B, H, Sq] row flag.

@@ -33,6 +33,10 @@ double UnitRoundoff(DType dtype) {
   }
 }
 
+double PRoundingSlack(const std::vector<double>& v, const std::vector<double>& out) {
+  return std::ldexp(MaxAbs(v), -8) / std::max(MaxAbs(out), 1e-30);
+}
+
 std::vector<int64_t> OutShape(const OwnedInputs& o) {
   const AttentionInputs in = o.inputs();
   return {in.q.shape[0], in.q.shape[1], in.q.shape[2], in.v.shape[3]};

@@ -41,6 +41,11 @@ bool RoundsBf16Operands(KernelPath path, DType dtype);
 // Unit roundoff of a storage dtype (bf16 2^-8, f16 2^-11, f32 2^-24).
 double UnitRoundoff(DType dtype);
 
+// Where P is rounded to bf16 for P V (RoundsBf16Operands), out errs by up to
+// 2^-8 sum_j p_j |v_j| <= 2^-8 max|v|: that slack relative to max|out|, from
+// the reference's v and out.
+double PRoundingSlack(const std::vector<double>& v, const std::vector<double>& out);
+
 // Logical shape of out, [B, Sq, H, Dv].
 std::vector<int64_t> OutShape(const OwnedInputs& in);
 

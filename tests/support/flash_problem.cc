@@ -147,7 +147,7 @@ void CheckAgainstReference(const Shape& sh, DType dtype, const RunConfig& s, boo
   // f32 error allowance for the rest.
   double out_tol = kF32Tol;
   if (dtype == DType::kBF16 && RoundsP(s.path)) {
-    out_tol = 2 * kF32Tol + std::ldexp(MaxAbs(rp.v), -8) / std::max(1e-30, MaxAbs(ref.out));
+    out_tol = 2 * kF32Tol + PRoundingSlack(rp.v, ref.out);
   }
   ExpectClose(r.out, ref.out, out_tol, "out " + what);
   ExpectClose(r.lse, ref.lse, kF32Tol, "lse " + what);
