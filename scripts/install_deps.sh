@@ -11,6 +11,7 @@ packages=(
   libcli11-dev nlohmann-json3-dev               # the command line and its JSON output
   gnuplot-nox python3 time                      # docs/PERFORMANCE.md: plot, bench/run_targets.py, /usr/bin/time -v
   python3-numpy                                 # docs/CLI.md: the attend example writes its .npy inputs with NumPy
+  python3-venv python3-dev                      # the Python package: its venv (scripts/setup_python.sh), Python headers
 )
 [ $# -eq 0 ] || packages=("$@")
 missing=()

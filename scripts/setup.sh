@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Fresh Debian machine -> installed dependencies and a Release build in build/.
+# Fresh Debian machine -> installed dependencies, a Release build in build/ and
+# the Python package in the project's venv .venv (scripts/setup_python.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install_deps.sh
 cmake -S . -B build -DCMAKE_BUILD_TYPE=Release
 cmake --build build -j"$(nproc)"
+bash scripts/setup_python.sh

@@ -108,9 +108,8 @@ ffi::Error ForwardImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                        float softcap, int64_t block_q, int64_t block_kv, int64_t num_threads) {
   return Guarded([&] {
     const Attrs attrs{mask_id, scale, softcap, block_q, block_kv, num_threads};
-    AttentionForward(
-        Inputs(q, k, v, sinks, q_segments, kv_segments, q_positions, kv_positions),
-        Options(attrs), AnyView(*out), View(*lse, DType::kF32));
+    AttentionForward(Inputs(q, k, v, sinks, q_segments, kv_segments, q_positions, kv_positions),
+                     Options(attrs), AnyView(*out), View(*lse, DType::kF32));
   });
 }
 
@@ -125,10 +124,9 @@ ffi::Error BackwardImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                         int64_t block_kv, int64_t num_threads) {
   return Guarded([&] {
     const Attrs attrs{mask_id, scale, softcap, block_q, block_kv, num_threads};
-    AttentionBackward(
-        Inputs(q, k, v, sinks, q_segments, kv_segments, q_positions, kv_positions),
-        Options(attrs), AnyView(out), View(lse, DType::kF32), AnyView(dout), AnyView(*dq),
-        AnyView(*dk), AnyView(*dv), View(*dsinks, DType::kF32));
+    AttentionBackward(Inputs(q, k, v, sinks, q_segments, kv_segments, q_positions, kv_positions),
+                      Options(attrs), AnyView(out), View(lse, DType::kF32), AnyView(dout),
+                      AnyView(*dq), AnyView(*dk), AnyView(*dv), View(*dsinks, DType::kF32));
   });
 }
 
@@ -136,16 +134,16 @@ ffi::Error BackwardImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RingsplashForward, ForwardImpl,
                               ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()             // q
-                                  .Arg<ffi::AnyBuffer>()             // k
-                                  .Arg<ffi::AnyBuffer>()             // v
-                                  .Arg<ffi::Buffer<ffi::F32>>()      // sinks
-                                  .Arg<ffi::Buffer<ffi::S32>>()      // q_segments
-                                  .Arg<ffi::Buffer<ffi::S32>>()      // kv_segments
-                                  .Arg<ffi::Buffer<ffi::S32>>()      // q_positions
-                                  .Arg<ffi::Buffer<ffi::S32>>()      // kv_positions
-                                  .Ret<ffi::AnyBuffer>()             // out
-                                  .Ret<ffi::Buffer<ffi::F32>>()      // lse
+                                  .Arg<ffi::AnyBuffer>()         // q
+                                  .Arg<ffi::AnyBuffer>()         // k
+                                  .Arg<ffi::AnyBuffer>()         // v
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // sinks
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // q_segments
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // kv_segments
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // q_positions
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // kv_positions
+                                  .Ret<ffi::AnyBuffer>()         // out
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // lse
                                   .Attr<int64_t>("mask_id")
                                   .Attr<float>("scale")
                                   .Attr<float>("softcap")
@@ -155,21 +153,21 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RingsplashForward, ForwardImpl,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RingsplashBackward, BackwardImpl,
                               ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()             // q
-                                  .Arg<ffi::AnyBuffer>()             // k
-                                  .Arg<ffi::AnyBuffer>()             // v
-                                  .Arg<ffi::Buffer<ffi::F32>>()      // sinks
-                                  .Arg<ffi::Buffer<ffi::S32>>()      // q_segments
-                                  .Arg<ffi::Buffer<ffi::S32>>()      // kv_segments
-                                  .Arg<ffi::Buffer<ffi::S32>>()      // q_positions
-                                  .Arg<ffi::Buffer<ffi::S32>>()      // kv_positions
-                                  .Arg<ffi::AnyBuffer>()             // out
-                                  .Arg<ffi::Buffer<ffi::F32>>()      // lse
-                                  .Arg<ffi::AnyBuffer>()             // dout
-                                  .Ret<ffi::AnyBuffer>()             // dq
-                                  .Ret<ffi::AnyBuffer>()             // dk
-                                  .Ret<ffi::AnyBuffer>()             // dv
-                                  .Ret<ffi::Buffer<ffi::F32>>()      // dsinks
+                                  .Arg<ffi::AnyBuffer>()         // q
+                                  .Arg<ffi::AnyBuffer>()         // k
+                                  .Arg<ffi::AnyBuffer>()         // v
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // sinks
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // q_segments
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // kv_segments
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // q_positions
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // kv_positions
+                                  .Arg<ffi::AnyBuffer>()         // out
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // lse
+                                  .Arg<ffi::AnyBuffer>()         // dout
+                                  .Ret<ffi::AnyBuffer>()         // dq
+                                  .Ret<ffi::AnyBuffer>()         // dk
+                                  .Ret<ffi::AnyBuffer>()         // dv
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // dsinks
                                   .Attr<int64_t>("mask_id")
                                   .Attr<float>("scale")
                                   .Attr<float>("softcap")

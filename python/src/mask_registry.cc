@@ -37,8 +37,8 @@ int64_t RegisterMask(const Mask& mask) {
 Mask LookupMask(int64_t id) {
   Registry& r = Get();
   std::lock_guard<std::mutex> lock(r.mu);
-  Check(id >= 0 && id < static_cast<int64_t>(r.masks.size()), "mask_id: no mask registered as ",
-        id, " (", r.masks.size(), " masks are registered)");
+  Check(id >= 0 && id < static_cast<int64_t>(r.masks.size()), "mask_id: no mask registered as ", id,
+        " (", r.masks.size(), " masks are registered)");
   return r.masks[static_cast<size_t>(id)];
 }
 

@@ -51,7 +51,8 @@ struct Call {
 Call MakeCall(const InArray& q, const InArray& k, const InArray& v, const Mask& mask,
               std::optional<float> scale, std::optional<float> softcap,
               const std::optional<InArray>& sinks, const std::optional<InArray>& q_segments,
-              const std::optional<InArray>& kv_segments, const std::optional<Positions>& q_positions,
+              const std::optional<InArray>& kv_segments,
+              const std::optional<Positions>& q_positions,
               const std::optional<Positions>& kv_positions, int64_t block_q, int64_t block_kv,
               int num_threads) {
   Call c;
@@ -141,15 +142,16 @@ void BindMask(nb::module_& m) {
       .def_static("chunked_causal", &Mask::ChunkedCausal, nb::arg("chunk"))
       .def_static("dense", &DenseMask, nb::arg("values"))
       .def_static("per_head", &Mask::PerHead, nb::arg("masks"))
-      .def_static("parse", [](const std::string& text) { return Mask::Parse(text); },
-                  nb::arg("text"))
+      .def_static(
+          "parse", [](const std::string& text) { return Mask::Parse(text); }, nb::arg("text"))
       .def("__and__", [](const Mask& a, const Mask& b) { return a & b; })
       .def("__or__", [](const Mask& a, const Mask& b) { return a | b; })
       .def("allowed", &Mask::Allowed, nb::arg("head"), nb::arg("q_pos"), nb::arg("kv_pos"))
       .def_prop_ro("num_heads", &Mask::num_heads)
       .def("__str__", &Mask::ToString)
-      .def("registry_id", [](const Mask& mask) { return RegisterMask(mask); },
-           "The id FFI calls name this mask by (registers it on first use).");
+      .def(
+          "registry_id", [](const Mask& mask) { return RegisterMask(mask); },
+          "The id FFI calls name this mask by (registers it on first use).");
 }
 
 }  // namespace
@@ -189,7 +191,8 @@ NB_MODULE(_core, m) {
         nb::arg("num_threads"),
         "AttentionBackward into the given dq/dk/dv/dsinks; returns the block counters.");
   m.def(
-      "kernel_path", [](const std::string& requested) {
+      "kernel_path",
+      [](const std::string& requested) {
         return std::string(KernelPathName(ResolveKernelPath(ParseKernelPath(requested))));
       },
       nb::arg("requested") = "auto", "The micro-kernel path a call would run on this CPU.");

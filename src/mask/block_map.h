@@ -43,9 +43,10 @@ struct BlockRanges {
 // Classifies one tile of `mask` for query head `head` given the position
 // ranges of its q rows and kv columns. Exact for empty and full (never claims
 // empty or full wrongly); may say partial when unsure. O(1) per structured
-// leaf (and exact both ways for a single one); Dense leaves are scanned over
-// the whole integer rectangle, which for strided positions is much more than
-// the tile — BlockMap::Build scans the actual positions instead. Compositions
+// leaf (and exact both ways for a single one); Dense leaves are classified
+// over the whole integer rectangle from their 16 x 16 granule summary (built
+// once with the mask), which for strided positions covers much more than the
+// tile — BlockMap::Build scans the actual positions instead. Compositions
 // keep what either side decides (SPEC §6: the seed dropped every mask but
 // causal): a & b is empty if either side is, full if both are; a | b is full
 // if either side is, empty if both are (block_map_test checks both

@@ -40,8 +40,11 @@ BlockRanges RangesOf(std::span<const T> values, int64_t block) {
 // Dense leaf over the rectangle [q_lo, q_hi] x [kv_lo, kv_hi] of positions:
 // exact for the rectangle, hence for any subset of it. Positions outside the
 // matrix are not allowed, so a rectangle reaching outside is never full.
+// Reads the granule summary (mask_node.h); only mixed squares the rectangle
+// cuts are looked at element by element.
 BlockKind ClassifyDenseRect(const Node& leaf, int64_t head, int64_t q_lo, int64_t q_hi,
                             int64_t kv_lo, int64_t kv_hi) {
+  constexpr int64_t g = Node::kGranule;
   const bool inside = q_lo >= 0 && q_hi < leaf.sq && kv_lo >= 0 && kv_hi < leaf.skv;
   const int64_t r0 = std::max<int64_t>(q_lo, 0);
   const int64_t r1 = std::min<int64_t>(q_hi, leaf.sq - 1);
@@ -49,13 +52,28 @@ BlockKind ClassifyDenseRect(const Node& leaf, int64_t head, int64_t q_lo, int64_
   const int64_t c1 = std::min<int64_t>(kv_hi, leaf.skv - 1);
   if (r0 > r1 || c0 > c1) return BlockKind::kEmpty;
   const uint8_t* m = leaf.DenseMatrix(head);
+  const uint8_t* granules = leaf.DenseGranules(head);
   bool any_one = false;
   bool any_zero = !inside;
-  for (int64_t r = r0; r <= r1 && !(any_one && any_zero); ++r) {
-    const uint8_t* row = m + r * leaf.skv;
-    for (int64_t c = c0; c <= c1; ++c) {
-      any_one |= row[c] != 0;
-      any_zero |= row[c] == 0;
+  for (int64_t gr = r0 / g; gr <= r1 / g && !(any_one && any_zero); ++gr) {
+    const int64_t rr0 = std::max(r0, gr * g);
+    const int64_t rr1 = std::min(r1, gr * g + g - 1);
+    for (int64_t gc = c0 / g; gc <= c1 / g && !(any_one && any_zero); ++gc) {
+      const uint8_t kind = granules[gr * leaf.granule_cols + gc];
+      if (kind != Node::kGranuleMixed) {
+        any_one |= kind == Node::kGranuleFull;
+        any_zero |= kind == Node::kGranuleEmpty;
+        continue;
+      }
+      const int64_t cc0 = std::max(c0, gc * g);
+      const int64_t cc1 = std::min(c1, gc * g + g - 1);
+      for (int64_t r = rr0; r <= rr1; ++r) {
+        const uint8_t* row = m + r * leaf.skv;
+        for (int64_t c = cc0; c <= cc1; ++c) {
+          any_one |= row[c] != 0;
+          any_zero |= row[c] == 0;
+        }
+      }
     }
   }
   if (!any_one) return BlockKind::kEmpty;

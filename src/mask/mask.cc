@@ -175,6 +175,35 @@ Mask Mask::ChunkedCausal(int64_t chunk) {
   return Mask(std::move(node));
 }
 
+namespace {
+
+// Fills node.granules (mask_node.h) from node.values: one pass over the matrix.
+void SummariseGranules(Node& node) {
+  constexpr int64_t g = Node::kGranule;
+  const int64_t rows = (node.sq + g - 1) / g;
+  const int64_t cols = (node.skv + g - 1) / g;
+  const int64_t matrices = std::max<int64_t>(node.dense_heads, 1);
+  node.granule_rows = rows;
+  node.granule_cols = cols;
+  // Bit 0: some element allowed, bit 1: some element not allowed.
+  std::vector<uint8_t> seen(static_cast<size_t>(matrices * rows * cols), 0);
+  for (int64_t m = 0; m < matrices; ++m) {
+    const uint8_t* matrix = node.values.data() + m * node.sq * node.skv;
+    uint8_t* out = seen.data() + m * rows * cols;
+    for (int64_t r = 0; r < node.sq; ++r) {
+      const uint8_t* row = matrix + r * node.skv;
+      uint8_t* granule_row = out + (r / g) * cols;
+      for (int64_t c = 0; c < node.skv; ++c) granule_row[c / g] |= row[c] ? 1 : 2;
+    }
+  }
+  for (uint8_t& s : seen) {
+    s = s == 1 ? Node::kGranuleFull : s == 2 ? Node::kGranuleEmpty : Node::kGranuleMixed;
+  }
+  node.granules = std::move(seen);
+}
+
+}  // namespace
+
 Mask Mask::Dense(std::vector<uint8_t> values, int64_t heads, int64_t sq, int64_t skv) {
   Check(heads >= 0, "Mask::Dense: heads must be >= 0 (0: shared by all heads), got ", heads);
   // A zero extent covers no position: any attention call using it would fail
@@ -197,6 +226,7 @@ Mask Mask::Dense(std::vector<uint8_t> values, int64_t heads, int64_t sq, int64_t
   node->has_dense = true;
   node->dense_sq = sq;
   node->dense_skv = skv;
+  SummariseGranules(*node);
   return Mask(std::move(node));
 }
 

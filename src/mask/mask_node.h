@@ -50,6 +50,16 @@ struct Node {
   int64_t dense_heads = 0;
   int64_t sq = 0;
   int64_t skv = 0;
+  // kDense: what each kGranule x kGranule square of positions holds,
+  // row-major [max(dense_heads, 1), ceil(sq / kGranule), ceil(skv / kGranule)]:
+  // kGranuleEmpty, kGranuleFull or kGranuleMixed (a square cut by the
+  // matrix's edge counts only its inside). Built once with the mask, so
+  // classifying a tile reads one byte per square instead of every element
+  // (tiles are multiples of 16, so their edges mostly fall on squares'):
+  // a mask object serves many calls and ring steps without re-scanning.
+  std::vector<uint8_t> granules;
+  int64_t granule_rows = 0;
+  int64_t granule_cols = 0;
 
   // kPerHead: children[h] is the mask of query head h. kAnd / kOr: two.
   std::vector<std::shared_ptr<const Node>> children;
@@ -60,6 +70,15 @@ struct Node {
   int64_t dense_sq = 0;  // smallest Dense extent of the subtree (0 if none)
   int64_t dense_skv = 0;
 
+  static constexpr int64_t kGranule = 16;
+  static constexpr uint8_t kGranuleEmpty = 0;
+  static constexpr uint8_t kGranuleFull = 1;
+  static constexpr uint8_t kGranuleMixed = 2;
+
+  // kDense: the granule summary of query head `head`'s matrix.
+  const uint8_t* DenseGranules(int64_t head) const {
+    return granules.data() + (dense_heads == 0 ? 0 : head * granule_rows * granule_cols);
+  }
   // kDense: the [sq, skv] matrix used by query head `head`.
   const uint8_t* DenseMatrix(int64_t head) const {
     return values.data() + (dense_heads == 0 ? 0 : head * sq * skv);
