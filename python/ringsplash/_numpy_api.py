@@ -24,13 +24,19 @@ _FLOAT_DTYPES = {
 
 
 def _float_array(x, name: str) -> np.ndarray:
-    """x as an array the kernels take (bf16 as its uint16 view: python/src/views.h)."""
+    """x as an array the kernels take (bf16 as its uint16 view: python/src/views.h).
+
+    Views with negative strides (``x[:, ::-1]``) are copied: the kernels walk
+    memory forwards. Every other layout is passed as it is.
+    """
     if not isinstance(x, np.ndarray):
         x = np.asarray(x)
     if x.dtype not in _FLOAT_DTYPES:
         raise DTypeError(
             f"{name}: expected float32, bfloat16 (ml_dtypes) or float16, got {x.dtype}"
         )
+    if any(s < 0 for s in x.strides):
+        x = np.ascontiguousarray(x)
     if x.dtype == ml_dtypes.bfloat16:
         return x.view(np.uint16)
     return x
@@ -66,6 +72,9 @@ def _sinks(sinks):
 def _common(q, k, v, mask, scale, logits_soft_cap, sinks, q_segment_ids, kv_segment_ids,
             block_sizes, num_threads):
     qa, ka, va = _float_array(q, "q"), _float_array(k, "k"), _float_array(v, "v")
+    dtypes = [np.asarray(x).dtype for x in (q, k, v)]
+    if len(set(dtypes)) != 1:
+        raise DTypeError(f"q, k, v: expected one dtype, got {', '.join(map(str, dtypes))}")
     _rank(qa, "q", 4, "[B, q_seq_len, H, D]")
     _rank(ka, "k", 4, "[B, kv_seq_len, H_kv, D]")
     _rank(va, "v", 4, "[B, kv_seq_len, H_kv, Dv]")

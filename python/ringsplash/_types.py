@@ -31,16 +31,21 @@ class SegmentIds(NamedTuple):
 
 
 def as_block_sizes(block_sizes) -> BlockSizes:
+    """BlockSizes from None (the default), BlockSizes or a pair; checked here, so a
+    JAX kernel refuses bad sizes when it is made rather than when XLA runs it."""
     if block_sizes is None:
         return BlockSizes()
-    if isinstance(block_sizes, BlockSizes):
-        return block_sizes
     try:
         q, kv = (int(b) for b in block_sizes)
     except (TypeError, ValueError):
         raise InvalidArgumentError(
             f"block_sizes: expected BlockSizes(q, kv) or a (q, kv) pair, got {block_sizes!r}"
         ) from None
+    for name, size in (("q", q), ("kv", kv)):
+        if size <= 0 or size % 16 != 0:
+            raise InvalidArgumentError(
+                f"block_sizes.{name}: expected a positive multiple of 16, got {size}"
+            )
     return BlockSizes(q, kv)
 
 
