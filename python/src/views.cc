@@ -8,6 +8,10 @@ namespace {
 DType DTypeOf(nb::dlpack::dtype t, const char* what) {
   if (t == nb::dtype<float>()) return DType::kF32;
   if (t == nb::dtype<uint16_t>()) return DType::kBF16;
+  if (t.code == static_cast<uint8_t>(nb::dlpack::dtype_code::Bfloat) && t.bits == 16 &&
+      t.lanes == 1) {
+    return DType::kBF16;  // a DLPack bfloat16 (PyTorch's torch.bfloat16)
+  }
   if (t == nb::dtype<int32_t>()) return DType::kI32;
   if (t.code == static_cast<uint8_t>(nb::dlpack::dtype_code::Float) && t.bits == 16 &&
       t.lanes == 1) {

@@ -2,7 +2,8 @@
 //
 // dtypes: float32 -> f32, float16 -> f16, uint16 -> bf16 (the Python layer
 // passes ml_dtypes.bfloat16 arrays as their uint16 view: DLPack, which
-// nanobind reads, has no name NumPy's bfloat16 extension maps to), int32 ->
+// nanobind reads, has no name NumPy's bfloat16 extension maps to), DLPack
+// bfloat16 (PyTorch tensors, which nanobind takes directly) -> bf16, int32 ->
 // i32. Strides come over as they are (any, including 0 and negative), in
 // elements; a view of more than 4 dims is an Error.
 #ifndef RINGSPLASH_PYTHON_SRC_VIEWS_H_

@@ -301,3 +301,31 @@ def test_agrees_with_jax_nn_dot_product_attention(feature):
         _assert_close(name, a, b, atol=2 * F32_GRAD * np.abs(b).max())
     # And the reference agrees with both (guards against a shared misreading).
     _check_against_reference(q, k, v, w, o1, None, tuple(g1) + (None,), ref_mask=mask)
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_batch_sharded_in_shard_map_with_grad(check_vma):
+    # Data parallelism: the batch split over 2 devices, each calling the
+    # single-device kernel on its examples inside shard_map. Gradients of the
+    # replicated sinks must be summed over the devices (once), those of q, k, v
+    # stay per example; everything equals the reference on the whole batch.
+    from jax.sharding import Mesh, PartitionSpec as P
+
+    rng = np.random.default_rng(77)
+    q, k, v, w = _make(rng, B=2, Sq=S, Skv=S, H=4, Hkv=2)
+    sinks = rng.standard_normal(4).astype(np.float32)
+    mask = CausalMask((S, S))
+    kernel = make_splash_attention(mask)
+    mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
+    wj = jnp.asarray(w)
+    spec = P("data")
+    sharded = jax.shard_map(lambda q, k, v, s: kernel.with_lse(q, k, v, sinks=s), mesh=mesh,
+                            in_specs=(spec, spec, spec, P()), out_specs=(spec, spec),
+                            check_vma=check_vma)
+
+    def loss(q, k, v, s):
+        return jnp.sum(sharded(q, k, v, s)[0] * wj)
+
+    out, lse = jax.jit(sharded)(q, k, v, sinks)
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(q, k, v, sinks)
+    _check_against_reference(q, k, v, w, out, lse, grads, sinks=sinks, ref_mask=mask)

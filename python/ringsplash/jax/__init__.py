@@ -17,19 +17,17 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 
 from .._types import BlockSizes, SegmentIds
 from ._ffi import default_num_threads
+from .ring import RingAttentionKernel, make_ring_attention, shard_sequence, unshard_sequence
 from .splash import SplashAttentionKernel, make_splash_attention
 
 __all__ = [
     "BlockSizes",
     "SegmentIds",
     "SplashAttentionKernel",
+    "RingAttentionKernel",
     "default_num_threads",
     "make_splash_attention",
+    "make_ring_attention",
+    "shard_sequence",
+    "unshard_sequence",
 ]
-
-try:
-    from .ring import RingAttentionKernel, make_ring_attention, shard_sequence, unshard_sequence
-except ImportError:  # ring.py is being written
-    pass
-else:
-    __all__ += ["RingAttentionKernel", "make_ring_attention", "shard_sequence", "unshard_sequence"]

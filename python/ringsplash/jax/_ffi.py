@@ -15,6 +15,7 @@ import threading
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 import numpy as np
 
 from .. import _core
@@ -70,6 +71,49 @@ def default_num_threads() -> int:
     return max(1, _cpu_count() // max(1, jax.local_device_count(backend="cpu")))
 
 
+# Varying manual axes (shard_map's check_vma). Inside shard_map every value is
+# typed with the mesh axes it varies over; all operands of one FFI call must
+# vary over the same axes, XLA's results carry none (so they get the operands'
+# union), and a cotangent must match its primal's axes.
+
+
+def varying(x) -> frozenset:
+    if x is None:
+        return frozenset()
+    aval = jax.typeof(x) if hasattr(jax, "typeof") else jax.core.get_aval(x)
+    vma = getattr(aval, "vma", None)
+    if vma is None:
+        mat = getattr(aval, "mat", None)
+        vma = getattr(mat, "varying", None) if mat is not None else None
+    return frozenset(vma or ())
+
+
+def to_varying(x, axes):
+    if x is None:
+        return None
+    missing = tuple(sorted(frozenset(axes) - varying(x), key=str))
+    if not missing:
+        return x
+    if hasattr(lax, "pcast"):
+        return lax.pcast(x, missing, to="varying")
+    return lax.pvary(x, missing)  # older JAX
+
+
+def cotangent_like(ct, primal):
+    """Transpose JAX's implicit broadcast to varying: sum ``ct`` over the axes
+    it varies over but ``primal`` does not, then match ``primal``'s axes."""
+    extra = tuple(sorted(varying(ct) - varying(primal), key=str))
+    if extra:
+        ct = lax.psum(ct, extra)
+    return to_varying(ct, varying(primal))
+
+
+def _uniform(operands):
+    """The operands cast to the union of their varying axes, and that union."""
+    axes = frozenset().union(*(varying(x) for x in operands))
+    return tuple(to_varying(x, axes) for x in operands), axes
+
+
 _EMPTY_F32 = np.zeros((0,), np.float32)
 _EMPTY_I32 = np.zeros((0,), np.int32)
 
@@ -118,10 +162,10 @@ def forward_call(q, k, v, *, mask, scale, logits_soft_cap, sinks, q_segment_ids,
         ),
         vmap_method="sequential",
     )
-    return call(
-        *_operands(q, k, v, sinks, q_segment_ids, kv_segment_ids, q_positions, kv_positions),
-        **_attributes(mask, scale, logits_soft_cap, block_sizes, num_threads),
-    )
+    operands, axes = _uniform(
+        _operands(q, k, v, sinks, q_segment_ids, kv_segment_ids, q_positions, kv_positions))
+    out, lse = call(*operands, **_attributes(mask, scale, logits_soft_cap, block_sizes, num_threads))
+    return to_varying(out, axes), to_varying(lse, axes)
 
 
 def backward_call(q, k, v, out, lse, dout, *, mask, scale, logits_soft_cap, sinks, q_segment_ids,
@@ -152,13 +196,11 @@ def backward_call(q, k, v, out, lse, dout, *, mask, scale, logits_soft_cap, sink
         jax.ShapeDtypeStruct((h,) if sinks is not None else (0,), jnp.float32),
     )
     call = jax.ffi.ffi_call("ringsplash_backward", results, vmap_method="sequential")
-    dq, dk, dv, dsinks = call(
-        *_operands(q, k, v, sinks, q_segment_ids, kv_segment_ids, q_positions, kv_positions),
-        out,
-        jnp.asarray(lse, jnp.float32),
-        dout,
-        **_attributes(mask, scale, logits_soft_cap, block_sizes, num_threads),
-    )
+    operands, axes = _uniform(
+        _operands(q, k, v, sinks, q_segment_ids, kv_segment_ids, q_positions, kv_positions)
+        + (out, jnp.asarray(lse, jnp.float32), dout))
+    dq, dk, dv, dsinks = (to_varying(x, axes) for x in call(
+        *operands, **_attributes(mask, scale, logits_soft_cap, block_sizes, num_threads)))
     if dlse is not None:
         dv = dv[..., :dv_dim]
     return dq, dk, dv, (dsinks if sinks is not None else None)

@@ -172,7 +172,12 @@ class SplashAttentionKernel:
                 q, k, v, out, lse, dout.astype(out.dtype), grad_dtype=q.dtype, dlse=dlse,
                 **call_args(q, k, sinks, qs, kvs)
             )
-            return dq, dk, dv, dsinks, None, None
+            # Inside shard_map a gradient sums over the mesh axes its rows vary
+            # over but its primal does not (sinks replicated over a data axis).
+            grads = tuple(
+                None if g is None else _ffi.cotangent_like(g, p).astype(p.dtype)
+                for g, p in ((dq, q), (dk, k), (dv, v), (dsinks, sinks)))
+            return grads + (None, None)
 
         attend.defvjp(fwd, bwd, symbolic_zeros=True)
 
