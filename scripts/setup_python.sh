@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The Python package in the project's venv (.venv): creates the venv if
 # missing, installs the build and test requirements from PyPI (nanobind,
-# scikit-build-core, NumPy, ml_dtypes, JAX, pytest), then builds and installs
+# scikit-build-core, NumPy, ml_dtypes, JAX, PyTorch, pytest), then builds and installs
 # ringsplash from this tree. Re-run after changing the sources: the CMake
 # build is kept in build-python/, so a re-install compiles only what changed.
 # Environment: RINGSPLASH_PYTHON (interpreter for a new venv, default Debian's
@@ -18,12 +18,15 @@ fi
 pip=("$venv/bin/python" -m pip --disable-pip-version-check -q)
 # Build requirements (pyproject.toml [build-system]) and the test extras,
 # installed once: the build below runs without isolation, against these.
-if ! "$venv/bin/python" -c "import nanobind, scikit_build_core, jax, ml_dtypes, pytest" 2>/dev/null; then
+# PyTorch from PyPI brings its CUDA libraries (~3 GB, a minute or two to
+# fetch); pip's cache keeps them for the next venv on the same machine.
+if ! "$venv/bin/python" -c "import nanobind, scikit_build_core, jax, ml_dtypes, pytest, torch" \
+  2>/dev/null; then
   echo "setup_python: installing requirements from PyPI"
   "${pip[@]}" install --upgrade pip
   "${pip[@]}" install "scikit-build-core>=0.10" "nanobind>=2.0" "numpy>=1.24" "ml_dtypes>=0.4" \
-    "jax>=0.5" "jaxlib>=0.5" "pytest>=7"
+    "jax>=0.5" "jaxlib>=0.5" "torch>=2.4" "pytest>=7"
 fi
 echo "setup_python: building and installing ringsplash into $venv"
 "${pip[@]}" install --no-build-isolation --no-deps -C build-dir=build-python -C cmake.define.RINGSPLASH_WERROR=ON .
-"$venv/bin/python" -c "import ringsplash, ringsplash.jax; print('setup_python: ringsplash', ringsplash.__version__, 'kernel path', ringsplash.kernel_path())"
+"$venv/bin/python" -c "import ringsplash, ringsplash.jax, ringsplash.torch; print('setup_python: ringsplash', ringsplash.__version__, 'kernel path', ringsplash.kernel_path())"

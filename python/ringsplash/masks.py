@@ -45,6 +45,17 @@ __all__ = [
 ]
 
 
+_BY_ID = {}  # registry id -> the C++ mask (python/src/mask_registry.h keeps its own)
+
+
+def by_id(mask_id: int):
+    """The C++ mask registered as ``mask_id`` (see ``Mask.registry_id``)."""
+    try:
+        return _BY_ID[mask_id]
+    except KeyError:
+        raise InvalidArgumentError(f"mask_id: no mask is registered as {mask_id}") from None
+
+
 def _shape2(shape, what: str) -> Tuple[int, int]:
     try:
         q_len, kv_len = (int(n) for n in shape)
@@ -75,9 +86,14 @@ class Mask:
 
     @property
     def registry_id(self) -> int:
-        """The id XLA FFI calls name this mask by (registered once, on first use)."""
+        """The id compiled calls (XLA FFI, PyTorch ops) name this mask by.
+
+        Registered once, on first use, and kept for the life of the process:
+        a compiled function may run after this object is gone.
+        """
         if self._registry_id is None:
             self._registry_id = self.core.registry_id()
+            _BY_ID[self._registry_id] = self.core
         return self._registry_id
 
     @property

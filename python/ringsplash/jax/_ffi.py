@@ -126,8 +126,8 @@ def _operands(q, k, v, sinks, q_segment_ids, kv_segment_ids, q_positions, kv_pos
         _EMPTY_F32 if sinks is None else jnp.asarray(sinks, jnp.float32),
         _EMPTY_I32 if q_segment_ids is None else jnp.asarray(q_segment_ids, jnp.int32),
         _EMPTY_I32 if kv_segment_ids is None else jnp.asarray(kv_segment_ids, jnp.int32),
-        jnp.asarray(q_positions, jnp.int32),
-        jnp.asarray(kv_positions, jnp.int32),
+        _EMPTY_I32 if q_positions is None else jnp.asarray(q_positions, jnp.int32),
+        _EMPTY_I32 if kv_positions is None else jnp.asarray(kv_positions, jnp.int32),
     )
 
 
@@ -147,7 +147,8 @@ def forward_call(q, k, v, *, mask, scale, logits_soft_cap, sinks, q_segment_ids,
     """One forward kernel call.
 
     q ``[B,Sq,H,D]``, k ``[B,Skv,Hkv,D]``, v ``[B,Skv,Hkv,Dv]``; positions int32
-    ``[Sq]`` / ``[Skv]`` (global). Returns out ``[B,Sq,H,Dv]`` (``out_dtype``) and
+    ``[Sq]`` / ``[Skv]`` (global), or None for ``0 .. S-1`` (the kernels' own
+    iota: cheaper than the same positions spelled out). Returns out ``[B,Sq,H,Dv]`` (``out_dtype``) and
     lse ``[B,H,Sq]`` f32; with sinks both include them. A row with no allowed
     key: out 0, lse -inf (the sink, with one).
     """

@@ -14,7 +14,6 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from .._errors import DTypeError, InvalidArgumentError
 from .._types import SegmentIds, as_block_sizes
@@ -146,8 +145,8 @@ class SplashAttentionKernel:
                 sinks=sinks,
                 q_segment_ids=qs,
                 kv_segment_ids=kvs,
-                q_positions=np.arange(q.shape[1], dtype=np.int32),
-                kv_positions=np.arange(k.shape[1], dtype=np.int32),
+                q_positions=None,  # 0 .. S-1
+                kv_positions=None,
                 block_sizes=cfg.block_sizes,
                 num_threads=cfg.threads(),
             )
