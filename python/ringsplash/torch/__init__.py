@@ -16,5 +16,12 @@ except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError("ringsplash.torch needs PyTorch: pip install 'ringsplash[torch]'") from e
 
 from ._api import attention, scaled_dot_product_attention
+from .ring import gather_sequence, ring_attention, shard_sequence
 
-__all__ = ["attention", "scaled_dot_product_attention"]
+__all__ = [
+    "attention",
+    "scaled_dot_product_attention",
+    "ring_attention",
+    "shard_sequence",
+    "gather_sequence",
+]

@@ -5,23 +5,39 @@ from __future__ import annotations
 import math
 from typing import Optional, Tuple, Union
 
+import numpy as np
 import torch
 
-from .. import _core
 from .._errors import DTypeError, InvalidArgumentError
 from .._types import as_block_sizes, as_num_threads
-from ..masks import Mask, TextMask, as_mask
+from ..masks import Mask, TextMask
 from . import _autograd  # noqa: F401  (registers the ops' autograd)
 from . import _ops
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+_TEXT_MASKS = {}  # mask text (None: "full") -> TextMask, built and registered once
+
+
+def _structured_mask(mask) -> Mask:
+    """A mask object or mask text (None: full) as a registered Mask, text masks cached."""
+    if isinstance(mask, Mask):
+        return mask
+    text = "full" if mask is None else mask
+    if text not in _TEXT_MASKS:
+        _TEXT_MASKS[text] = TextMask(text)
+    return _TEXT_MASKS[text]
+
+
 @torch.compiler.assume_constant_result
-def _mask_id(mask) -> int:
-    # Mask objects are built outside compiled code; torch.compile takes the id
-    # as a constant instead of tracing into the (C++) registration.
-    return as_mask(mask).registry_id
+def _checked_mask_id(mask, num_heads: int, q_len: int, kv_len: int) -> int:
+    # Mask objects and text are resolved, checked against the lengths and
+    # registered in eager Python: torch.compile takes the id as a constant
+    # instead of tracing into the (C++) mask machinery.
+    m = _structured_mask(mask)
+    m.check(num_heads, q_len, kv_len)
+    return m.registry_id
 
 
 _SDPA_MASKS = {}
@@ -78,7 +94,8 @@ def attention(q, k, v, *, mask=None, scale: Optional[float] = None,
       q, k, v: ``[B, S, H, D]`` (layout "bshd") or ``[B, H, S, D]`` ("bhsd") CPU
         tensors of one dtype (float32, bfloat16, float16), any strides; no copies.
         ``k``/``v`` may have fewer heads (GQA/MQA, ``H % Hkv == 0``).
-      mask: a ``ringsplash.masks`` mask (built outside compiled code), mask text, or None.
+      mask: a ``ringsplash.masks`` mask (build it outside compiled code: once, reused),
+        mask text, a boolean ``[Sq, Skv]`` / ``[H, Sq, Skv]`` array or tensor, or None.
       scale: default ``1/sqrt(D)``. logits_soft_cap: ``s -> cap * tanh(s / cap)``.
       sinks: float ``[H]`` (may require grad). q_segment_ids / kv_segment_ids:
         int ``[B, Sq]`` / ``[B, Skv]``, both or neither.
@@ -96,9 +113,20 @@ def attention(q, k, v, *, mask=None, scale: Optional[float] = None,
     qb, kb, vb = (_to_bshd(x, layout) for x in (q, k, v))
     b, sq, h, d = qb.shape
     skv = kb.shape[1]
-    if not isinstance(mask, Mask) or mask.shape is not None:
-        m = as_mask(mask)
-        m.check(h, sq, skv)
+    # A boolean array or tensor goes to the op as a dense mask of this call
+    # (nothing registered per call); mask objects and text by their id.
+    dense = None
+    if isinstance(mask, (torch.Tensor, np.ndarray)):
+        dense = torch.as_tensor(mask)
+        if dense.dtype != torch.bool or tuple(dense.shape) not in ((sq, skv), (h, sq, skv)):
+            raise InvalidArgumentError(
+                f"mask: expected a boolean [Sq={sq}, Skv={skv}] or [H={h}, Sq, Skv] array, got "
+                f"{dense.dtype} {tuple(dense.shape)}")
+        mask = None
+    elif mask is not None and not isinstance(mask, (Mask, str)):
+        raise InvalidArgumentError(
+            "mask: expected a ringsplash.masks mask, mask text, a boolean array or tensor, or "
+            f"None, got {type(mask).__name__}")
     if (q_segment_ids is None) != (kv_segment_ids is None):
         raise InvalidArgumentError("q_segment_ids and kv_segment_ids: give both or neither")
     qs = _segments(q_segment_ids, "q_segment_ids", b, sq)
@@ -112,7 +140,7 @@ def attention(q, k, v, *, mask=None, scale: Optional[float] = None,
         raise InvalidArgumentError(f"logits_soft_cap: expected a value > 0, got {logits_soft_cap}")
     bs = as_block_sizes(block_sizes)
     out, lse = torch.ops.ringsplash.attention_fwd(
-        qb, kb, vb, sinks, qs, kvs, None, None, None, _mask_id(mask),
+        qb, kb, vb, sinks, qs, kvs, None, None, dense, _checked_mask_id(mask, h, sq, skv),
         float(scale) if scale is not None else 1.0 / math.sqrt(d),
         float(logits_soft_cap or 0.0), bs.q, bs.kv, as_num_threads(num_threads), False)
     out = _to_bshd(out, layout)
@@ -130,11 +158,9 @@ def _window(window) -> Tuple[int, int]:
         except (TypeError, ValueError):
             raise InvalidArgumentError(
                 f"window: expected an int or a (left, right) pair, got {window!r}") from None
-    left = -1 if left is None else int(left)
-    right = -1 if right is None else int(right)
-    if left < -1 or right < -1:
+    if (left is not None and int(left) < 0) or (right is not None and int(right) < 0):
         raise InvalidArgumentError(f"window: sides must be >= 0 or None, got {window!r}")
-    return left, right
+    return (-1 if left is None else int(left)), (-1 if right is None else int(right))
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: float = 0.0,
@@ -152,6 +178,14 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: f
     to ``[B, H, Sq, Skv]`` is applied as a dense mask; a float (additive) mask is
     refused. ``dropout_p`` must be 0.
     """
+    if all(isinstance(x, torch.Tensor) and x.dim() == 3 for x in (query, key, value)):
+        # [H, S, D] without a batch, as F.scaled_dot_product_attention takes too.
+        out = scaled_dot_product_attention(
+            query[None], key[None], value[None],
+            attn_mask if attn_mask is None or attn_mask.dim() < 3 else attn_mask[None],
+            dropout_p, is_causal, scale, enable_gqa, window=window,
+            logits_soft_cap=logits_soft_cap, sinks=sinks)
+        return out[0]
     for name, x in (("query", query), ("key", key), ("value", value)):
         _check_tensor(x, name)
     if dropout_p != 0.0:

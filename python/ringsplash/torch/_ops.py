@@ -146,5 +146,5 @@ def backward_step(q, k, v, out, lse, dout, *, mask_id: int, scale: float, softca
         kv_positions, dense_mask, mask_id, float(scale), float(softcap), block_q, block_kv,
         num_threads, grads_f32)
     if dlse is not None:
-        dv = dv[..., :dv_dim]
+        dv = dv[..., :dv_dim].contiguous()  # callers send it (gloo wants contiguous)
     return dq, dk, dv, (dsinks if sinks is not None else None)
