@@ -28,10 +28,10 @@ so that the run takes seconds; Gemma 2's own setting is --window 4096, which
 only differs from global attention beyond 4096 tokens (e.g. --seq 8192, slow on
 few cores: the eager path and the reference materialise S x S logits).
 
-Run (from the repository root, with the package importable):
-    PYTHONPATH=python python examples/gemma2_attention.py
-    PYTHONPATH=python python examples/gemma2_attention.py --dtype bf16 --backward
-    PYTHONPATH=python python examples/gemma2_attention.py --seq 8192 --window 4096 --iters 1
+Run (from the repository root; scripts/setup.sh installs the package into .venv):
+    .venv/bin/python examples/gemma2_attention.py
+    .venv/bin/python examples/gemma2_attention.py --dtype bf16 --backward
+    .venv/bin/python examples/gemma2_attention.py --seq 8192 --window 4096 --iters 1
 The defaults (S=2048, H=8, Hkv=4, D=128, f32) run in well under 30 s on 2 cores.
 """
 

@@ -23,10 +23,10 @@ It prints the time of each (median of --iters runs after one warm-up) and the
 largest absolute difference of each result from the float64 reference, then the
 layer's output through ringsplash and its difference from the layer on SDPA.
 
-Run (from the repository root, with the package importable):
-    PYTHONPATH=python python examples/gpt_oss_attention.py
-    PYTHONPATH=python python examples/gpt_oss_attention.py --seq 4096 --dtype bf16 --backward
-    PYTHONPATH=python python examples/gpt_oss_attention.py --layer full   # the dense layers
+Run (from the repository root; scripts/setup.sh installs the package into .venv):
+    .venv/bin/python examples/gpt_oss_attention.py
+    .venv/bin/python examples/gpt_oss_attention.py --seq 4096 --dtype bf16 --backward
+    .venv/bin/python examples/gpt_oss_attention.py --layer full   # the dense layers
 The defaults (S=2048, H=16, Hkv=2, D=64, f32) run in well under 30 s on 2 cores.
 """
 

@@ -9,7 +9,7 @@ and backward over gloo, and prints its time. Rank 0 then gathers the output and 
 query gradient (``gather_sequence``) and prints the largest difference from
 single-process ``ringsplash.torch.attention`` on the whole sequence (float32: expect
 ~1e-6). Options: --seq, --heads, --kv-heads, --head-dim, --layout, --nproc, --threads.
-Needs ``pip install 'ringsplash[torch]'`` (or PYTHONPATH=python in a source checkout).
+Needs ``pip install 'ringsplash[torch]'`` (in this repository: scripts/setup.sh puts it into .venv; run it with .venv/bin/python or .venv/bin/torchrun).
 """
 
 import argparse
