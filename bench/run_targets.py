@@ -107,10 +107,19 @@ def repeated(r, metric, run_once):
 
 
 def fraction_case(r, name, target, *args, kernel=None):
-    value, values, runs = repeated(r, lambda rs: rs[0]["fraction_of_peak"],
-                                   lambda: r.bench(*args, kernel=kernel)[0])
+    """A run whose peak measurement was unreliable (fraction_of_peak null: other
+    work had the cores while the peak ran; docs/CLI.md) gives no value: the
+    median is over the others, and a case left with none fails."""
+    values, runs = [], []
+    for _ in range(r.repeats):
+        rs = r.bench(*args, kernel=kernel)[0]
+        runs += rs
+        if rs[0]["fraction_of_peak"] is not None:
+            values.append(rs[0]["fraction_of_peak"])
+    value = statistics.median(values) if values else None
     return dict(case=name, metric="fraction_of_peak (median of repeats)", value=value,
-                values=values, target=f">= {target}", passed=value >= target, runs=runs)
+                values=values, target=f">= {target}",
+                passed=value is not None and value >= target, runs=runs)
 
 
 # The single-device problem of the forward/backward rows: B=1, S=4096, H=Hkv=8,

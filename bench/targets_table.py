@@ -41,6 +41,9 @@ def detail(r):
         spread = ""
     if "_amx" in case:
         amx, vec = runs[0], runs[1]
+        if amx.get("fraction_of_amx_peak") is None:  # peak_unreliable: no fractions
+            return (f"{spread}; {amx['gflops']:.0f} vs {vec['gflops']:.0f} GFLOP/s; "
+                    "peak measurement unreliable")
         return (f"{spread}; {amx['gflops']:.0f} vs {vec['gflops']:.0f} GFLOP/s; "
                 f"{amx['fraction_of_amx_peak']:.3f} of the AMX tile peak "
                 f"({amx['amx_peak_gflops']:.0f} GFLOP/s), {amx['fraction_of_peak']:.2f} x the "
@@ -48,7 +51,11 @@ def detail(r):
     if case.startswith(("fwd", "bwd")):
         # The median run's own figures (medians taken apart would not divide
         # to the reported fraction).
-        med = min(runs, key=lambda run: abs(run["fraction_of_peak"] - r["value"]))
+        # Runs whose peak was unreliable (fraction_of_peak null) have no fraction.
+        measured = [run for run in runs if run.get("fraction_of_peak") is not None]
+        if not measured or r["value"] is None:
+            return f"{spread}; every run's peak measurement was unreliable"
+        med = min(measured, key=lambda run: abs(run["fraction_of_peak"] - r["value"]))
         return (f"{spread}; {med['gflops']:.0f} of {med['peak_gflops']:.0f} GFLOP/s (median run); "
                 f"path {med.get('kernel_path', '?')}")
     if case.startswith("causal"):

@@ -29,7 +29,7 @@ cmake_common=(-DCMAKE_BUILD_TYPE=RelWithDebInfo "-DCMAKE_CXX_FLAGS_RELWITHDEBINF
 
 # The ThreadSanitizer subset: every test whose code runs on several threads.
 tsan_tests="ThreadPoolTest|InvarianceTest|FlashTest.BitwiseIdenticalAcrossThreadCounts|CommTest"
-tsan_tests+="|RingTest|RingCoveringTest|RingFaultTest|Determinism"
+tsan_tests+="|RingTest|RingCoveringTest|RingFaultTest|Determinism|Concurrency"
 tsan_targets=(thread_pool_test attention_test flash_kernel_test comm_test ring_test
   ring_fault_test determinism_test)
 

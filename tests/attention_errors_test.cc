@@ -3,11 +3,15 @@
 // whose message names the argument, says what was expected and what was
 // given. Input/option checks must read the same from ValidateAttentionInputs,
 // AttentionForward and AttentionBackward (the ring and CLI rely on that).
+// Then the aliasing rule, on the single-device and the ring entry points:
+// every (output, input) and (output, output) pair is refused naming both,
+// while views that interleave in one buffer without sharing memory pass.
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <functional>
 #include <limits>
 #include <optional>
@@ -15,8 +19,11 @@
 #include <vector>
 
 #include "ringsplash/attention.h"
+#include "ringsplash/comm.h"
 #include "ringsplash/error.h"
+#include "ringsplash/ring.h"
 #include "src/kernels/cpu_features.h"
+#include "src/kernels/validate.h"
 #include "tests/support/test_util.h"
 
 namespace ringsplash::testing {
@@ -150,11 +157,9 @@ std::vector<ErrorCase> Cases() {
   add("sinks_shape", W::kInputs, [](Call& x) { x.in.sinks = x.Make(DType::kF32, {3}); },
       {"sinks:", "[H=4] f32", "[3] f32"});
   add("sinks_nan", W::kInputs, [nan](Call& x) { x.owned.sinks.data_as<float>()[2] = nan; },
-      {"sinks[2]:", "finite", "nan"});
+      {"sinks[2]:", "a finite value or -inf (no sink for this head)", "nan"});
   add("sinks_inf", W::kInputs, [inf](Call& x) { x.owned.sinks.data_as<float>()[0] = inf; },
-      {"sinks[0]:", "finite", "inf"});
-  add("sinks_minus_inf", W::kInputs, [inf](Call& x) { x.owned.sinks.data_as<float>()[3] = -inf; },
-      {"sinks[3]:", "finite", "-inf"});
+      {"sinks[0]:", "a finite value or -inf", "got inf"});
   add("sinks_dtype", W::kInputs, [](Call& x) { x.in.sinks = x.Make(DType::kBF16, {4}); },
       {"sinks:", "bf16"});
   add("sinks_2d", W::kInputs,
@@ -342,6 +347,18 @@ TEST(ErrorTest, ValidCallPasses) {
                                     call.dk, call.dv, call.dsinks));
 }
 
+// A sink of -inf is "no sink for this head" (SPEC §2.4): accepted by every
+// entry point (its results: NumericsSinks, NumericsEmptyRows).
+TEST(ErrorTest, MinusInfSinkPasses) {
+  Call call;
+  call.owned.sinks.data_as<float>()[3] = -std::numeric_limits<float>::infinity();
+  EXPECT_NO_THROW(ValidateAttentionInputs(call.in, call.opt));
+  EXPECT_NO_THROW(AttentionForward(call.in, call.opt, call.out, call.lse));
+  EXPECT_NO_THROW(AttentionBackward(call.in, call.opt, call.out, call.lse, call.dout, call.dq,
+                                    call.dk, call.dv, call.dsinks));
+  EXPECT_EQ(call.dsinks_t.data_as<float>()[3], 0.0f);
+}
+
 // The largest thread count allowed passes validation.
 TEST(ErrorTest, NumThreadsAtTheLimitPasses) {
   Call call;
@@ -426,6 +443,249 @@ TEST(ErrorTest, UnsupportedKernelPathIsAnError) {
     const std::string msg = MessageOf([&] { ValidateAttentionInputs(call.in, call.opt); });
     EXPECT_EQ(msg, std::string("kernel_path: '") + KernelPathName(p) +
                        "' is not supported by this CPU (supported: portable)");
+  }
+}
+
+// ---- Outputs sharing memory with inputs or other outputs ------------------
+//
+// The aliasing rule (attention.h, ring.h): no output may share memory with
+// an input or with another output; such a call throws, before anything is
+// written, an Error naming the output and what it overlaps. Every pair is
+// tried on every entry point that takes it: the output's view is moved into
+// one buffer with the other argument so that they share their last / first
+// few bytes (a partial overlap, not just one start address).
+
+// The argument of `x` named `name`.
+TensorView* Arg(Call& x, const std::string& name) {
+  const std::pair<const char*, TensorView*> args[] = {{"q", &x.in.q},
+                                                      {"k", &x.in.k},
+                                                      {"v", &x.in.v},
+                                                      {"sinks", &x.in.sinks},
+                                                      {"q_segments", &x.in.q_segments},
+                                                      {"kv_segments", &x.in.kv_segments},
+                                                      {"out", &x.out},
+                                                      {"lse", &x.lse},
+                                                      {"dout", &x.dout},
+                                                      {"dq", &x.dq},
+                                                      {"dk", &x.dk},
+                                                      {"dv", &x.dv},
+                                                      {"dsinks", &x.dsinks}};
+  for (const auto& [n, view] : args) {
+    if (name == n) return view;
+  }
+  ADD_FAILURE() << "no argument " << name;
+  return nullptr;
+}
+
+// Moves `other` (a contiguous view of `x`) to the start of a new buffer,
+// its contents kept, and `output` to overlap its last 8 bytes (or half of
+// it, if smaller).
+void Overlap(Call& x, const std::string& output, const std::string& other) {
+  TensorView* o = Arg(x, output);
+  TensorView* t = Arg(x, other);
+  const auto o_bytes = static_cast<int64_t>(o->numel() * DTypeSize(o->dtype));
+  const auto t_bytes = static_cast<int64_t>(t->numel() * DTypeSize(t->dtype));
+  const int64_t shared = std::min<int64_t>(8, t_bytes / 2);
+  TensorView buf = x.Make(DType::kF32, {(t_bytes + o_bytes) / 4 + 1});
+  std::memcpy(buf.data, t->data, static_cast<size_t>(t_bytes));
+  t->data = buf.data;
+  o->data = static_cast<char*>(buf.data) + (t_bytes - shared);
+}
+
+enum class Pass { kForward, kBackward, kRingThreadsOnly };
+
+struct AliasCase {
+  std::string output, other;  // the message names `output` first
+  Pass pass;
+};
+void PrintTo(const AliasCase& c, std::ostream* os) { *os << c.output << "_" << c.other; }
+
+std::vector<AliasCase> AliasCases() {
+  const std::vector<std::string> inputs = {"q", "k", "v", "sinks", "q_segments", "kv_segments"};
+  std::vector<AliasCase> c;
+  for (const std::string out : {"out", "lse"}) {
+    for (const std::string& in : inputs) c.push_back({out, in, Pass::kForward});
+  }
+  c.push_back({"lse", "out", Pass::kForward});
+  const std::vector<std::string> grads = {"dq", "dk", "dv", "dsinks"};
+  for (size_t g = 0; g < grads.size(); ++g) {
+    for (const std::string& in : inputs) c.push_back({grads[g], in, Pass::kBackward});
+    for (const std::string in : {"out", "lse", "dout"}) {
+      c.push_back({grads[g], in, Pass::kBackward});
+    }
+    for (size_t e = 0; e < g; ++e) c.push_back({grads[g], grads[e], Pass::kBackward});
+  }
+  // RingAttentionThreads runs both passes in one call: its forward writes
+  // out and lse while other ranks may still read dout.
+  c.push_back({"out", "dout", Pass::kRingThreadsOnly});
+  c.push_back({"lse", "dout", Pass::kRingThreadsOnly});
+  return c;
+}
+
+// What a one-rank ring call on the threads backend threw ("NO ERROR" if
+// nothing). The failing rank aborts its communicator, so RunThreadRanks
+// throws too: that second report is not the one checked.
+std::string RankMessage(const std::function<void(Communicator&)>& fn) {
+  std::string msg = "NO ERROR";
+  try {
+    RunThreadRanks(1, CommOptions{},
+                   [&](Communicator& comm) { msg = MessageOf([&] { fn(comm); }); });
+  } catch (const Error&) {
+  }
+  return msg;
+}
+
+class AliasTest : public ::testing::TestWithParam<AliasCase> {};
+
+TEST_P(AliasTest, NamesBothArguments) {
+  const AliasCase& ac = GetParam();
+  Call x;
+  Overlap(x, ac.output, ac.other);
+  RingRun run;
+  run.num_ranks = 2;
+  run.options.attention = x.opt;
+  std::vector<std::pair<std::string, std::string>> messages;
+  if (ac.pass == Pass::kForward) {
+    messages.emplace_back("AttentionForward",
+                          MessageOf([&] { AttentionForward(x.in, x.opt, x.out, x.lse); }));
+    messages.emplace_back("RingAttentionForward", RankMessage([&](Communicator& comm) {
+                            RingAttentionForward(comm, x.in, run.options, x.out, x.lse);
+                          }));
+    messages.emplace_back("RingAttentionThreads forward",
+                          MessageOf([&] { RingAttentionThreads(run, x.in, x.out, x.lse); }));
+  }
+  if (ac.pass == Pass::kBackward) {
+    messages.emplace_back("AttentionBackward", MessageOf([&] {
+                            AttentionBackward(x.in, x.opt, x.out, x.lse, x.dout, x.dq, x.dk, x.dv,
+                                              x.dsinks);
+                          }));
+    messages.emplace_back("RingAttentionBackward", RankMessage([&](Communicator& comm) {
+                            RingAttentionBackward(comm, x.in, run.options, x.out, x.lse, x.dout,
+                                                  x.dq, x.dk, x.dv, x.dsinks);
+                          }));
+  }
+  messages.emplace_back("RingAttentionThreads", MessageOf([&] {
+                          RingAttentionThreads(run, x.in, x.out, x.lse, x.dout, x.dq, x.dk, x.dv,
+                                               x.dsinks);
+                        }));
+  const std::string start = ac.output +
+                            ": expected memory shared with no input or other output, got a view "
+                            "overlapping " +
+                            ac.other + " (" + ac.output + " [";
+  for (const auto& [entry, msg] : messages) {
+    EXPECT_EQ(msg.rfind(start, 0), 0u) << entry << ": " << msg;
+  }
+  // The rule is checked before anything is written: the other argument
+  // still holds what a fresh call's does.
+  Call fresh;
+  EXPECT_EQ(ToDoubles(*Arg(x, ac.other)), ToDoubles(*Arg(fresh, ac.other)));
+}
+
+INSTANTIATE_TEST_SUITE_P(Pairs, AliasTest, ::testing::ValuesIn(AliasCases()), [](const auto& info) {
+  return info.param.output + "_" + info.param.other;
+});
+
+// ViewsOverlap decides on bytes, exactly: partial elements, interleaved and
+// permuted views, mixed dtypes.
+TEST(ViewsOverlapTest, SharedBytesOnly) {
+  Tensor buf(DType::kF32, {96});
+  char* base = static_cast<char*>(buf.data());
+  auto view = [base](int64_t byte, DType dtype, std::initializer_list<int64_t> shape,
+                     std::initializer_list<int64_t> stride) {
+    TensorView t = TensorView::Contiguous(base + byte, dtype, shape);
+    std::copy(stride.begin(), stride.end(), t.stride.begin());
+    return t;
+  };
+  const TensorView four = view(0, DType::kF32, {4}, {1});  // bytes [0, 16)
+  EXPECT_TRUE(kernels::ViewsOverlap(four, four));
+  EXPECT_FALSE(kernels::ViewsOverlap(four, view(16, DType::kF32, {4}, {1})));  // adjacent
+  EXPECT_TRUE(kernels::ViewsOverlap(four, view(14, DType::kBF16, {4}, {1})));  // 2 bytes
+  EXPECT_FALSE(kernels::ViewsOverlap(view(16, DType::kBF16, {4}, {1}), four));
+  EXPECT_FALSE(kernels::ViewsOverlap(four, TensorView()));
+  const TensorView backwards = view(12, DType::kF32, {4}, {-1});  // bytes [0, 16) again
+  EXPECT_TRUE(kernels::ViewsOverlap(backwards, four));
+  EXPECT_FALSE(kernels::ViewsOverlap(backwards, view(16, DType::kF32, {4}, {1})));
+  // Even and odd elements of one buffer: interleaved, disjoint.
+  const TensorView even = view(0, DType::kF32, {2, 8}, {16, 2});
+  EXPECT_FALSE(kernels::ViewsOverlap(even, view(4, DType::kF32, {2, 8}, {16, 2})));
+  EXPECT_TRUE(kernels::ViewsOverlap(even, view(8, DType::kF32, {2, 8}, {16, 2})));
+  EXPECT_TRUE(kernels::ViewsOverlap(even, view(4, DType::kF32, {2, 8}, {16, 1})));
+  // q, k, v of a packed [B=2, S=2, 3, H=2, D=4] buffer (96 floats); q's
+  // memory seen as [B, H, S, D] overlaps q.
+  auto packed = [&](int which) {
+    return view(which * 8 * 4, DType::kF32, {2, 2, 2, 4}, {48, 24, 4, 1});
+  };
+  EXPECT_FALSE(kernels::ViewsOverlap(packed(0), packed(1)));
+  EXPECT_FALSE(kernels::ViewsOverlap(packed(2), packed(1)));
+  EXPECT_TRUE(kernels::ViewsOverlap(packed(1), packed(1)));
+  EXPECT_TRUE(kernels::ViewsOverlap(packed(0), view(0, DType::kF32, {2, 2, 2, 4}, {48, 4, 24, 1})));
+}
+
+// Outputs and inputs interleaved in one buffer, sharing no element, pass and
+// give bitwise what separate buffers give: the forward's out beside q in one
+// [B, S, 2, H, D] buffer; the backward's dq, dk, dv as slices of one packed
+// [B, S, 3, H, D] dqkv (and q, k, v read from a packed qkv); on the single
+// device and the threads ring.
+TEST(AliasTest, InterleavedButDisjointViewsPass) {
+  constexpr int64_t kB = 2, kS = 32, kH = 2, kD = 16;
+  Rng rng(9);
+  // Packed buffers [B, S, n, H, D], flat (views have at most 4 dims).
+  Tensor qkv = RandomTensor(rng, DType::kF32, {kB * kS * 3 * kH * kD});
+  const Tensor dout = RandomTensor(rng, DType::kF32, {kB, kS, kH, kD});
+  auto slice = [](const Tensor& t, int64_t which) {  // the [B, S, H, D] view `which`
+    const int64_t n = t.numel() / (kB * kS * kH * kD);
+    TensorView s = TensorView::Contiguous(static_cast<float*>(t.view().data) + which * kH * kD,
+                                          DType::kF32, {kB, kS, kH, kD});
+    s.stride = {kS * n * kH * kD, n * kH * kD, kD, 1};
+    return s;
+  };
+  AttentionInputs in;
+  in.q = slice(qkv, 0);
+  in.k = slice(qkv, 1);
+  in.v = slice(qkv, 2);
+  AttentionOptions opt;
+  opt.mask = Mask::Causal();
+  opt.block_sizes = {16, 16};
+  struct Result {
+    std::vector<double> out, lse, dq, dk, dv;
+  };
+  auto run = [&](bool packed, bool ring) {
+    Tensor q_out(DType::kF32, {kB * kS * 2 * kH * kD}), dqkv(DType::kF32, {kB * kS * 3 * kH * kD});
+    Tensor out_t(DType::kF32, {kB, kS, kH, kD}), lse(DType::kF32, {kB, kH, kS});
+    Tensor dq_t(DType::kF32, {kB, kS, kH, kD}), dk_t(DType::kF32, {kB, kS, kH, kD});
+    Tensor dv_t(DType::kF32, {kB, kS, kH, kD});
+    AttentionInputs call = in;
+    TensorView out = out_t.view(), dq = dq_t.view(), dk = dk_t.view(), dv = dv_t.view();
+    if (packed) {
+      CopyConvert(in.q, slice(q_out, 0));
+      call.q = slice(q_out, 0);
+      out = slice(q_out, 1);
+      dq = slice(dqkv, 0);
+      dk = slice(dqkv, 1);
+      dv = slice(dqkv, 2);
+    }
+    if (ring) {
+      RingRun r;
+      r.num_ranks = 2;
+      r.options.attention = opt;
+      RingAttentionThreads(r, call, out, lse.view(), dout.view(), dq, dk, dv);
+    } else {
+      AttentionForward(call, opt, out, lse.view());
+      AttentionBackward(call, opt, out, lse.view(), dout.view(), dq, dk, dv, TensorView());
+    }
+    return Result{ToDoubles(out), ToDoubles(lse.view()), ToDoubles(dq), ToDoubles(dk),
+                  ToDoubles(dv)};
+  };
+  for (bool ring : {false, true}) {
+    SCOPED_TRACE(ring ? "ring of 2" : "single device");
+    Result separate, packed;
+    ASSERT_NO_THROW(separate = run(false, ring));
+    ASSERT_NO_THROW(packed = run(true, ring));
+    EXPECT_EQ(packed.out, separate.out);
+    EXPECT_EQ(packed.lse, separate.lse);
+    EXPECT_EQ(packed.dq, separate.dq);
+    EXPECT_EQ(packed.dk, separate.dk);
+    EXPECT_EQ(packed.dv, separate.dv);
   }
 }
 

@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <filesystem>
 #include <limits>
 #include <optional>
@@ -568,18 +569,58 @@ TEST(InvarianceTest, ConcurrentCallsAgree) {
   }
 }
 
-// kAuto runs exactly what ResolveKernelPath(kAuto) names.
-TEST(InvarianceTest, AutoPathIsTheResolvedPath) {
-  Rng rng(16);
-  const OwnedInputs in = RandomInputs(rng, ProblemSpec(1, 33, 47, 2, 2, 16, 16));
-  const Tensor dout = RandomTensor(rng, DType::kF32, OutShape(in));
-  AttentionOptions opt;
-  opt.mask = Mask::Local(9, 3);
-  const ApiResult a = RunAttention(in, opt, &dout);
-  opt.kernel_path = ResolveKernelPath(KernelPath::kAuto);
-  const ApiResult b = RunAttention(in, opt, &dout);
-  EXPECT_EQ(a.out, b.out);
-  EXPECT_EQ(a.dk, b.dk);
+// RINGSPLASH_KERNEL=<path> makes the entry points run kAuto calls on that
+// path: under it, a kAuto call gives bitwise the result of a call naming the
+// path (forward and backward, f32 and bf16 inputs). The paths' own results
+// differ (bf16 inputs: avx512_bf16 rounds P; f32: FMA and summation order),
+// so a variable the entry points did not read would give some path's kAuto
+// call another path's result.
+TEST(InvarianceTest, KernelEnvironmentVariableSelectsThePathOfAutoCalls) {
+  const char* saved = std::getenv("RINGSPLASH_KERNEL");
+  const std::optional<std::string> restore =
+      saved ? std::optional<std::string>(saved) : std::nullopt;
+  const std::vector<KernelPath> paths = SupportedKernelPaths();
+  for (const DType dtype : {DType::kF32, DType::kBF16}) {
+    SCOPED_TRACE(DTypeName(dtype));
+    Rng rng(16);
+    ProblemSpec spec(1, 33, 47, 2, 2, 16, 16);
+    spec.dtype = dtype;
+    const OwnedInputs in = RandomInputs(rng, spec);
+    const Tensor dout = RandomTensor(rng, dtype, OutShape(in));
+    AttentionOptions opt;
+    opt.mask = Mask::Local(9, 3);
+    std::vector<ApiResult> named;
+    for (const KernelPath path : paths) {
+      opt.kernel_path = path;
+      named.push_back(RunAttention(in, opt, &dout));
+    }
+    opt.kernel_path = KernelPath::kAuto;
+    int distinct = 0;
+    for (size_t i = 0; i < paths.size(); ++i) {
+      SCOPED_TRACE(PathName(paths[i]));
+      setenv("RINGSPLASH_KERNEL", KernelPathName(paths[i]), 1);
+      const ApiResult r = RunAttention(in, opt, &dout);
+      EXPECT_EQ(r.out, named[i].out);
+      EXPECT_EQ(r.lse, named[i].lse);
+      EXPECT_EQ(r.dq, named[i].dq);
+      EXPECT_EQ(r.dk, named[i].dk);
+      EXPECT_EQ(r.dv, named[i].dv);
+      bool unlike_all_before = true;
+      for (size_t j = 0; j < i; ++j) {
+        if (named[j].out == named[i].out && named[j].dq == named[i].dq) unlike_all_before = false;
+      }
+      distinct += unlike_all_before ? 1 : 0;
+    }
+    if (paths.size() > 1) {
+      EXPECT_GT(distinct, 1) << "every path gave the same results: the check above cannot tell "
+                                "which path ran";
+    }
+  }
+  if (restore) {
+    setenv("RINGSPLASH_KERNEL", restore->c_str(), 1);
+  } else {
+    unsetenv("RINGSPLASH_KERNEL");
+  }
 }
 
 // Block sizes far beyond the sequence tile it as one block, exactly as a

@@ -50,22 +50,23 @@ TEST(ReadmeExample, DecodingStepMatchesTheReference) {
   AttentionOptions opt;
   opt.mask = Mask::Parse("causal & local:24,0");
   const RefResult ref = RunReference(owned, opt, nullptr);
-  const TensorView k_cache = owned.k.view(), v_cache = owned.v.view();
+  // The cache's buffers and sizes as the snippet names them.
+  void* const k_cache = owned.k.data();
+  void* const v_cache = owned.v.data();
+  const int64_t B = 1, max_len = 64, Hkv = 2, D = 16, Dv = 16;
   for (const int64_t len : {1, 17, 40, 64}) {
-    TensorView q_new = owned.q.view();  // row len - 1 of q
-    q_new.data = static_cast<char*>(q_new.data) +
-                 (len - 1) * q_new.stride[1] * static_cast<int64_t>(DTypeSize(q_new.dtype));
-    q_new.shape[1] = 1;
+    const TensorView q_new = owned.q.view().Narrowed(1, len - 1, 1);  // row len - 1 of q
     Tensor out_t(DType::kF32, {1, 1, 4, 16}), lse_t(DType::kF32, {1, 4, 1});
     const TensorView out_new = out_t.view(), lse_new = lse_t.view();
 
     // --- the README snippet ---
-    TensorView k_len = k_cache, v_len = v_cache;
-    k_len.shape[1] = v_len.shape[1] = len;
+    // k_cache [B, max_len, Hkv, D], v_cache [B, max_len, Hkv, Dv]: your f32 buffers.
     AttentionInputs step;
-    step.q = q_new, step.k = k_len, step.v = v_len;  // q_new [B,1,H,D]
-    step.q_positions = {len - 1};                    // the token's position: causal sees the cache
-    AttentionForward(step, opt, out_new, lse_new);   // out_new [B,1,H,Dv], lse_new [B,H,1]
+    step.q = q_new;  // [B, 1, H, D]
+    step.k = TensorView::KvCache(k_cache, DType::kF32, B, max_len, Hkv, D, len);
+    step.v = TensorView::KvCache(v_cache, DType::kF32, B, max_len, Hkv, Dv, len);
+    step.q_positions = {len - 1};                   // the token's position: causal sees the cache
+    AttentionForward(step, opt, out_new, lse_new);  // out_new [B,1,H,Dv], lse_new [B,H,1]
     // --- end of snippet ---
 
     std::vector<double> want_out, want_lse;

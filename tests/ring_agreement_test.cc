@@ -5,6 +5,7 @@
 // and leaves the communicator usable.
 #include <cmath>
 #include <functional>
+#include <limits>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -215,6 +216,28 @@ TEST(RingAgreementTest, SinksValues) {
     return c;
   });
   ExpectAllRanksThrew(errors, "ring: ranks disagree on sinks[1] (rank 0: 0.5, rank 1: 0.25)");
+}
+
+// A sink of -inf ("no sink for this head") is a value like any other: ranks
+// that all pass it agree, and one that does not is named with it.
+TEST(RingAgreementTest, MinusInfSinks) {
+  constexpr float kMinusInf = -std::numeric_limits<float>::infinity();
+  auto call_with = [](float rank1_sink) {
+    return [rank1_sink](int rank) {
+      RankCall c = DefaultCall();
+      c.spec.sinks = true;
+      c.backward = true;
+      c.edit_inputs = [rank, rank1_sink](OwnedInputs& in) {
+        float* s = in.sinks.data_as<float>();
+        s[0] = 0.5f;
+        s[1] = rank == 0 ? kMinusInf : rank1_sink;
+      };
+      return c;
+    };
+  };
+  for (const std::string& e : RunRanks(3, call_with(kMinusInf))) EXPECT_EQ(e, "");
+  ExpectAllRanksThrew(RunRanks(2, call_with(0.5f)),
+                      "ring: ranks disagree on sinks[1] (rank 0: -inf, rank 1: 0.5)");
 }
 
 TEST(RingAgreementTest, BlockSizes) {

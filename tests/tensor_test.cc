@@ -1,10 +1,12 @@
 // Tests of src/core/tensor.cc: bf16/f16 conversion (rounding, specials,
-// exhaustive round trips), views (strides, Transposed, Describe), the owning
-// Tensor, element load/store and CopyConvert.
+// exhaustive round trips), views (strides, Transposed, Describe, the layout
+// factories Bshd / Bhsd / KvCache / Narrowed, and attention through them), the
+// owning Tensor, element load/store and CopyConvert.
 #include "ringsplash/tensor.h"
 
 #include <gtest/gtest.h>
 
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -13,7 +15,10 @@
 #include <string>
 #include <vector>
 
+#include "ringsplash/attention.h"
 #include "ringsplash/error.h"
+#include "tests/support/reference.h"
+#include "tests/support/test_util.h"
 
 namespace ringsplash {
 namespace {
@@ -173,6 +178,312 @@ TEST(TensorViewTest, SizeOneDimsIgnoreStrideForContiguity) {
   TensorView t = TensorView::Contiguous(buf, DType::kF32, {1, 4});
   t.stride[0] = 999;
   EXPECT_TRUE(t.is_contiguous());
+}
+
+// ---- Layout factories ------------------------------------------------------
+
+// Expects `what` to throw an Error whose message holds every one of `parts`.
+template <typename Fn>
+void ExpectError(Fn what, std::initializer_list<const char*> parts) {
+  try {
+    what();
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    for (const char* part : parts) {
+      EXPECT_NE(std::string(e.what()).find(part), std::string::npos) << part << " in " << e.what();
+    }
+  }
+}
+
+TEST(TensorViewFactoryTest, BshdIsTheContiguousModelLayout) {
+  std::vector<uint16_t> buf(2 * 3 * 4 * 5);
+  const TensorView t = TensorView::Bshd(buf.data(), DType::kBF16, 2, 3, 4, 5);
+  EXPECT_EQ(t.data, buf.data());
+  EXPECT_EQ(t.dtype, DType::kBF16);
+  EXPECT_EQ(t.ndim, 4);
+  EXPECT_EQ(t.shape, (std::array<int64_t, kMaxDims>{2, 3, 4, 5}));
+  EXPECT_EQ(t.stride, (std::array<int64_t, kMaxDims>{60, 20, 5, 1}));
+  EXPECT_TRUE(t.is_contiguous());
+}
+
+TEST(TensorViewFactoryTest, BhsdViewsHeadMajorMemoryAsTheModelLayout) {
+  // Memory [B=2, H=3, S=4, D=5] holding its own C-order index; element
+  // (b, s, h, d) of the view must be memory element [b][h][s][d].
+  const int64_t B = 2, H = 3, S = 4, D = 5;
+  std::vector<float> buf(static_cast<size_t>(B * H * S * D));
+  for (size_t i = 0; i < buf.size(); ++i) buf[i] = static_cast<float>(i);
+  const TensorView t = TensorView::Bhsd(buf.data(), DType::kF32, B, H, S, D);
+  EXPECT_EQ(t.data, buf.data());
+  EXPECT_EQ(t.ndim, 4);
+  EXPECT_EQ(t.shape, (std::array<int64_t, kMaxDims>{B, S, H, D}));
+  EXPECT_EQ(t.stride, (std::array<int64_t, kMaxDims>{H * S * D, D, S * D, 1}));
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t s = 0; s < S; ++s)
+      for (int64_t h = 0; h < H; ++h)
+        for (int64_t d = 0; d < D; ++d)
+          ASSERT_EQ(buf[t.Offset(b, s, h, d)], static_cast<float>(((b * H + h) * S + s) * D + d));
+}
+
+TEST(TensorViewFactoryTest, KvCacheViewsTheFirstRowsWithTheCacheStrides) {
+  const int64_t B = 2, kMax = 10, Hkv = 3, D = 4;
+  std::vector<float> cache(static_cast<size_t>(B * kMax * Hkv * D));
+  for (const int64_t len : {int64_t{0}, int64_t{1}, int64_t{7}, kMax}) {
+    const TensorView t = TensorView::KvCache(cache.data(), DType::kF32, B, kMax, Hkv, D, len);
+    EXPECT_EQ(t.data, cache.data());
+    EXPECT_EQ(t.shape, (std::array<int64_t, kMaxDims>{B, len, Hkv, D}));
+    EXPECT_EQ(t.stride, (std::array<int64_t, kMaxDims>{kMax * Hkv * D, Hkv * D, D, 1}));
+    // Batch 1's rows start after batch 0's whole allocation, not after len rows.
+    EXPECT_EQ(t.Offset(1, 0, 0, 0), kMax * Hkv * D);
+    EXPECT_EQ(t.is_contiguous(), len == kMax);
+  }
+  ExpectError([&] { TensorView::KvCache(cache.data(), DType::kF32, B, kMax, Hkv, D, kMax + 1); },
+              {"KvCache", "len", "expected 0 to max_len = 10", "got 11"});
+  ExpectError([&] { TensorView::KvCache(cache.data(), DType::kF32, B, kMax, Hkv, D, -1); },
+              {"len", "got -1"});
+}
+
+TEST(TensorViewFactoryTest, NarrowedMovesDataToTheFirstIndexAndKeepsStrides) {
+  const int64_t B = 2, H = 3, S = 8, D = 4;
+  std::vector<uint16_t> buf(static_cast<size_t>(B * H * S * D));
+  const TensorView t = TensorView::Bhsd(buf.data(), DType::kF16, B, H, S, D);
+  const TensorView row = t.Narrowed(1, 5, 2);  // sequence rows 5 and 6
+  EXPECT_EQ(row.data, buf.data() + 5 * D);     // 2 bytes per element: pointer of uint16_t
+  EXPECT_EQ(row.shape, (std::array<int64_t, kMaxDims>{B, 2, H, D}));
+  EXPECT_EQ(row.stride, t.stride);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t s = 0; s < 2; ++s)
+      for (int64_t h = 0; h < H; ++h)
+        EXPECT_EQ(static_cast<uint16_t*>(row.data) + row.Offset(b, s, h, 3),
+                  buf.data() + t.Offset(b, s + 5, h, 3));
+  // The whole range, an empty range at the end, and a cache in [B, H, S, D].
+  EXPECT_EQ(t.Narrowed(1, 0, S).data, t.data);
+  EXPECT_EQ(t.Narrowed(1, S, 0).shape[1], 0);
+  const TensorView head = t.Narrowed(2, 1, 1);
+  EXPECT_EQ(head.data, buf.data() + S * D);
+  EXPECT_EQ(head.shape, (std::array<int64_t, kMaxDims>{B, S, 1, D}));
+  TensorView undefined = t;
+  undefined.data = nullptr;
+  EXPECT_FALSE(undefined.Narrowed(1, 2, 1).defined());
+  ExpectError([&] { t.Narrowed(4, 0, 1); }, {"Narrowed", "dim", "expected 0 to 3", "got 4"});
+  ExpectError([&] { t.Narrowed(1, 9, 0); }, {"start", "expected 0 to 8", "got 9"});
+  ExpectError([&] { t.Narrowed(1, 5, 4); }, {"length", "expected 0 to 3", "got 4"});
+  ExpectError([&] { t.Narrowed(1, -1, 1); }, {"start", "got -1"});
+}
+
+TEST(TensorViewFactoryTest, NegativeSizesAreErrorsNamingTheSize) {
+  float x = 0;
+  ExpectError([&] { TensorView::Bshd(&x, DType::kF32, 1, -2, 1, 1); },
+              {"TensorView::Bshd", "S: expected a size >= 0, got -2"});
+  ExpectError([&] { TensorView::Bhsd(&x, DType::kF32, 1, -3, 1, 1); },
+              {"TensorView::Bhsd", "H: expected a size >= 0, got -3"});
+  ExpectError([&] { TensorView::KvCache(&x, DType::kF32, 1, 4, 1, -1, 1); },
+              {"TensorView::KvCache", "D: expected a size >= 0, got -1"});
+}
+
+// ---- Attention through the factories' views --------------------------------
+//
+// Each view must give exactly the results of a contiguous copy of what it
+// shows (the kernels read the same values in the same order; only the
+// addresses differ), bitwise, and the f32 results must match the f64
+// reference within kF32Tol.
+
+namespace rt = ::ringsplash::testing;
+
+// Relative to each tensor's largest magnitude (rt::ErrorsOf). f32 has unit
+// roundoff u = 6e-8 and every result here is a sum of at most D + Skv <= 61
+// rounded terms, so the worst case is ~4e-6 and the typical error far less; a
+// row read from the wrong place (a wrong stride, a cache row past len) moves
+// results by O(0.1).
+constexpr double kF32Tol = 1e-5;
+
+// Outputs of one call, through whatever views the caller chose.
+struct OutputViews {
+  TensorView out, lse, dq, dk, dv;
+};
+
+// Forward, then (with dout) backward, writing through `o`; results as doubles
+// in C order of the logical shapes.
+rt::ApiResult RunThrough(const AttentionInputs& in, const AttentionOptions& opt,
+                         const TensorView& dout, const OutputViews& o) {
+  rt::ApiResult r;
+  AttentionForward(in, opt, o.out, o.lse);
+  r.out = rt::ToDoubles(o.out);
+  r.lse = rt::ToDoubles(o.lse);
+  if (!dout.defined()) return r;
+  AttentionBackward(in, opt, o.out, o.lse, dout, o.dq, o.dk, o.dv, TensorView());
+  r.dq = rt::ToDoubles(o.dq);
+  r.dk = rt::ToDoubles(o.dk);
+  r.dv = rt::ToDoubles(o.dv);
+  return r;
+}
+
+// A contiguous [B, S, H, D] copy of the view `t` (same dtype).
+Tensor ContiguousCopy(const TensorView& t) {
+  Tensor c(t.dtype, std::vector<int64_t>(t.shape.begin(), t.shape.begin() + t.ndim));
+  CopyConvert(t, c.view());
+  return c;
+}
+
+void ExpectF32MatchesReference(const rt::ApiResult& got, const rt::OwnedInputs& copy,
+                               const AttentionOptions& opt, const Tensor* dout) {
+  const rt::Errors e = rt::ErrorsOf(got, rt::RunReference(copy, opt, dout));
+  EXPECT_LT(e.out, kF32Tol) << e.Describe();
+  EXPECT_LT(e.lse, kF32Tol) << e.Describe();
+  EXPECT_LT(e.dq, kF32Tol) << e.Describe();
+  EXPECT_LT(e.dk, kF32Tol) << e.Describe();
+  EXPECT_LT(e.dv, kF32Tol) << e.Describe();
+}
+
+// Every tensor of a forward and a backward in [B, H, S, D] memory (inputs,
+// dout, out, dq, dk, dv), with GQA, Dv != D and ragged lengths.
+TEST(TensorViewAttentionTest, BhsdViewsEqualContiguousCopiesForwardAndBackward) {
+  const int64_t B = 2, H = 4, Hkv = 2, Sq = 29, Skv = 45, D = 16, Dv = 24;
+  rt::Rng rng(41);
+  for (const DType dtype : {DType::kF32, DType::kBF16}) {
+    SCOPED_TRACE(DTypeName(dtype));
+    const Tensor qm = rt::RandomTensor(rng, dtype, {B, H, Sq, D});
+    const Tensor km = rt::RandomTensor(rng, dtype, {B, Hkv, Skv, D});
+    const Tensor vm = rt::RandomTensor(rng, dtype, {B, Hkv, Skv, Dv});
+    const Tensor doutm = rt::RandomTensor(rng, dtype, {B, H, Sq, Dv});
+    AttentionInputs in;
+    in.q = TensorView::Bhsd(qm.data(), dtype, B, H, Sq, D);
+    in.k = TensorView::Bhsd(km.data(), dtype, B, Hkv, Skv, D);
+    in.v = TensorView::Bhsd(vm.data(), dtype, B, Hkv, Skv, Dv);
+    const TensorView dout = TensorView::Bhsd(doutm.data(), dtype, B, H, Sq, Dv);
+    Tensor out_m(dtype, {B, H, Sq, Dv}), lse(DType::kF32, {B, H, Sq});
+    Tensor dq_m(DType::kF32, {B, H, Sq, D}), dk_m(DType::kF32, {B, Hkv, Skv, D}),
+        dv_m(DType::kF32, {B, Hkv, Skv, Dv});
+    const OutputViews o = {TensorView::Bhsd(out_m.data(), dtype, B, H, Sq, Dv), lse.view(),
+                           TensorView::Bhsd(dq_m.data(), DType::kF32, B, H, Sq, D),
+                           TensorView::Bhsd(dk_m.data(), DType::kF32, B, Hkv, Skv, D),
+                           TensorView::Bhsd(dv_m.data(), DType::kF32, B, Hkv, Skv, Dv)};
+    rt::OwnedInputs copy;
+    copy.q = ContiguousCopy(in.q);
+    copy.k = ContiguousCopy(in.k);
+    copy.v = ContiguousCopy(in.v);
+    const Tensor dout_copy = ContiguousCopy(dout);
+    for (const KernelPath path : SupportedKernelPaths()) {
+      SCOPED_TRACE(KernelPathName(path));
+      AttentionOptions opt;
+      opt.mask = Mask::Causal();
+      opt.kernel_path = path;
+      const rt::ApiResult got = RunThrough(in, opt, dout, o);
+      rt::ApiRun run;
+      run.out_dtype = dtype;
+      const rt::ApiResult want = rt::RunAttention(copy, opt, &dout_copy, run);
+      EXPECT_EQ(got.out, want.out);
+      EXPECT_EQ(got.lse, want.lse);
+      EXPECT_EQ(got.dq, want.dq);
+      EXPECT_EQ(got.dk, want.dk);
+      EXPECT_EQ(got.dv, want.dv);
+      if (dtype == DType::kF32) ExpectF32MatchesReference(got, copy, opt, &dout_copy);
+    }
+  }
+}
+
+// A decoding step (and a short prefill chunk) against the first len rows of
+// K/V caches allocated for more, laid out [B, max_len, Hkv, D] (KvCache) and
+// [B, Hkv, max_len, D] (Bhsd + Narrowed). The rows from len on hold NaN: a
+// kernel reading one of them would turn its output NaN.
+TEST(TensorViewAttentionTest, KvCacheViewsReadOnlyTheValidRows) {
+  const int64_t B = 2, H = 4, Hkv = 2, kMax = 64, D = 16, Dv = 8;
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  rt::Rng rng(42);
+  for (const DType dtype : {DType::kF32, DType::kBF16}) {
+    for (const bool head_major : {false, true}) {
+      Tensor k_cache(dtype, head_major ? std::vector<int64_t>{B, Hkv, kMax, D}
+                                       : std::vector<int64_t>{B, kMax, Hkv, D});
+      Tensor v_cache(dtype, head_major ? std::vector<int64_t>{B, Hkv, kMax, Dv}
+                                       : std::vector<int64_t>{B, kMax, Hkv, Dv});
+      for (const int64_t len : {1, 17, 40}) {
+        for (const int64_t sq : {int64_t{1}, int64_t{5}}) {
+          if (sq > len) continue;
+          SCOPED_TRACE(std::string(DTypeName(dtype)) +
+                       (head_major ? " [B,Hkv,S,D]" : " [B,S,Hkv,D]") + " len " +
+                       std::to_string(len) + " sq " + std::to_string(sq));
+          AttentionInputs in;
+          if (head_major) {
+            in.k = TensorView::Bhsd(k_cache.data(), dtype, B, Hkv, kMax, D).Narrowed(1, 0, len);
+            in.v = TensorView::Bhsd(v_cache.data(), dtype, B, Hkv, kMax, Dv).Narrowed(1, 0, len);
+          } else {
+            in.k = TensorView::KvCache(k_cache.data(), dtype, B, kMax, Hkv, D, len);
+            in.v = TensorView::KvCache(v_cache.data(), dtype, B, kMax, Hkv, Dv, len);
+          }
+          // Valid rows random, the rest NaN.
+          TensorView k_rest = in.k, v_rest = in.v;
+          k_rest.shape[1] = v_rest.shape[1] = kMax;  // the whole allocation, same strides
+          rt::FromDoubles(std::vector<double>(static_cast<size_t>(k_rest.numel()), nan), k_rest);
+          rt::FromDoubles(std::vector<double>(static_cast<size_t>(v_rest.numel()), nan), v_rest);
+          rt::FillRandom(rng, in.k);
+          rt::FillRandom(rng, in.v);
+          const Tensor q = rt::RandomTensor(rng, dtype, {B, sq, H, D});
+          in.q = q.view();
+          for (int64_t i = 0; i < sq; ++i) in.q_positions.push_back(len - sq + i);
+          Tensor out(DType::kF32, {B, sq, H, Dv}), lse(DType::kF32, {B, H, sq});
+          rt::OwnedInputs copy;
+          copy.q = ContiguousCopy(in.q);
+          copy.k = ContiguousCopy(in.k);
+          copy.v = ContiguousCopy(in.v);
+          copy.q_pos = in.q_positions;
+          // Every path: the decoding kernels read K and V in place, 8 or 16
+          // keys per vector.
+          for (const KernelPath path : SupportedKernelPaths()) {
+            SCOPED_TRACE(KernelPathName(path));
+            AttentionOptions opt;
+            opt.mask = Mask::Causal();
+            opt.kernel_path = path;
+            const rt::ApiResult got =
+                RunThrough(in, opt, TensorView(), {out.view(), lse.view(), {}, {}, {}});
+            EXPECT_FALSE(rt::HasNaN(got.out));
+            const rt::ApiResult want = rt::RunAttention(copy, opt, nullptr);
+            EXPECT_EQ(got.out, want.out);
+            EXPECT_EQ(got.lse, want.lse);
+            if (dtype == DType::kF32) {
+              const rt::Errors e = rt::ErrorsOf(got, rt::RunReference(copy, opt, nullptr));
+              EXPECT_LT(e.out, kF32Tol) << e.Describe();
+              EXPECT_LT(e.lse, kF32Tol) << e.Describe();
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+// Inputs may repeat a slice with stride 0 (tensor.h): one K/V shared by
+// every batch entry equals K/V copied into each.
+TEST(TensorViewAttentionTest, StrideZeroInputsRepeatTheSlice) {
+  const int64_t B = 3, H = 2, Hkv = 1, Sq = 20, Skv = 33, D = 16, Dv = 16;
+  rt::Rng rng(43);
+  const Tensor k1 = rt::RandomTensor(rng, DType::kF32, {1, Skv, Hkv, D});
+  const Tensor v1 = rt::RandomTensor(rng, DType::kF32, {1, Skv, Hkv, Dv});
+  const Tensor q = rt::RandomTensor(rng, DType::kF32, {B, Sq, H, D});
+  const Tensor dout = rt::RandomTensor(rng, DType::kF32, {B, Sq, H, Dv});
+  AttentionInputs in;
+  in.q = q.view();
+  in.k = k1.view();
+  in.v = v1.view();
+  in.k.shape[0] = in.v.shape[0] = B;
+  in.k.stride[0] = in.v.stride[0] = 0;
+  Tensor out(DType::kF32, {B, Sq, H, Dv}), lse(DType::kF32, {B, H, Sq});
+  Tensor dq(DType::kF32, {B, Sq, H, D}), dk(DType::kF32, {B, Skv, Hkv, D}),
+      dv(DType::kF32, {B, Skv, Hkv, Dv});
+  AttentionOptions opt;
+  opt.mask = Mask::Local(7, 2);
+  const rt::ApiResult got =
+      RunThrough(in, opt, dout.view(), {out.view(), lse.view(), dq.view(), dk.view(), dv.view()});
+
+  rt::OwnedInputs copy;
+  copy.q = ContiguousCopy(in.q);
+  copy.k = ContiguousCopy(in.k);
+  copy.v = ContiguousCopy(in.v);
+  const rt::ApiResult want = rt::RunAttention(copy, opt, &dout);
+  EXPECT_EQ(got.out, want.out);
+  EXPECT_EQ(got.lse, want.lse);
+  EXPECT_EQ(got.dq, want.dq);
+  EXPECT_EQ(got.dk, want.dk);
+  EXPECT_EQ(got.dv, want.dv);
+  ExpectF32MatchesReference(got, copy, opt, &dout);
 }
 
 TEST(TensorTest, ZeroFilledAlignedAndMovable) {

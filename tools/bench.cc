@@ -5,6 +5,7 @@
 #include <cmath>
 #include <iostream>
 #include <memory>
+#include <optional>
 
 #include "ringsplash/error.h"
 #include "ringsplash/mask.h"
@@ -29,6 +30,11 @@ void CheckBlock(int64_t value, const char* flag) {
   if (value <= 0 || value % 16 != 0) {
     Usage(flag, ": expected a positive multiple of 16, got ", value);
   }
+}
+
+// A number, or null when absent.
+nlohmann::json OptionalNumber(const std::optional<double>& x) {
+  return x ? nlohmann::json(*x) : nlohmann::json();
 }
 
 // "seq 8192 (2/3)" for the progress line.
@@ -175,9 +181,13 @@ nlohmann::json ToJson(const BenchResult& r) {
       {"peak_gflops", r.peak_gflops},
       {"peak_method", r.peak_method},
       {"peak_threads", r.peak_threads},
-      {"fraction_of_peak", r.fraction_of_peak},
+      {"peak_measurements", r.peak_measurements},
+      // null, never a figure above what the machine can do, when the peak
+      // measurement was unreliable (peak_unreliable_reason says why).
+      {"fraction_of_peak", OptionalNumber(r.fraction_of_peak)},
       {"amx_peak_gflops", r.amx_peak_gflops},
-      {"fraction_of_amx_peak", r.fraction_of_amx_peak},
+      {"fraction_of_amx_peak", OptionalNumber(r.fraction_of_amx_peak)},
+      {"peak_unreliable", !r.peak_unreliable_reason.empty()},
       {"kernel_flops", r.kernel_flops},
       {"computed_blocks", r.computed_blocks},
       {"skipped_blocks", r.skipped_blocks},
@@ -186,6 +196,7 @@ nlohmann::json ToJson(const BenchResult& r) {
       {"rank_flops", r.rank_flops},
       {"imbalance", r.imbalance},
   };
+  if (!r.peak_unreliable_reason.empty()) j["peak_unreliable_reason"] = r.peak_unreliable_reason;
   if (r.check) {
     // JSON has no infinity: a non-finite error (NaN or inf mismatch) is null.
     auto number = [](double x) { return std::isfinite(x) ? nlohmann::json(x) : nlohmann::json(); };

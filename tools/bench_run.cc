@@ -168,38 +168,66 @@ BenchResult RunBenchOnRank(Communicator& comm, const BenchConfig& c) {
     samples = GatherSamples(comm, c, local);
   }
 
+  if (rank == 0) {
+    r.allowed_pairs = AllowedPairs(mask, c.q_seq, c.seq, c.heads);
+    r.kv_bytes = static_cast<double>(c.batch) * static_cast<double>(c.seq) *
+                 static_cast<double>(c.kv_heads) * static_cast<double>(c.head_dim + c.v_head_dim) *
+                 static_cast<double>(DTypeSize(c.dtype));
+    r.kv_gb_per_s = r.seconds > 0 ? r.kv_bytes / r.seconds / 1e9 : 0;
+    r.flops = UsefulFlops(r.allowed_pairs, c.batch, c.head_dim, c.v_head_dim, c.pass);
+    r.gflops = r.seconds > 0 ? r.flops / r.seconds / 1e9 : 0;
+  }
+
   // The peak over the threads this run used: under MPI every process
   // measures its own threads at the same time and the results add up; on
-  // the threads backend rank 0 measures all ranks' threads at once.
-  Peak peak;
-  if (c.mpi) {
-    comm.Barrier();
-    peak = MeasurePeak(c.dtype, c.threads_per_rank);
-    const std::vector<double> all = AllGather(comm, peak.gflops);
-    const std::vector<double> tiles = AllGather(comm, peak.tile_gflops);
-    peak.gflops = 0;
-    for (double g : all) peak.gflops += g;
-    peak.tile_gflops = 0;
-    for (double g : tiles) peak.tile_gflops += g;
-    peak.threads = c.threads_per_rank * n;
-  } else if (rank == 0) {
-    peak = MeasurePeak(c.dtype, c.threads_per_rank * n);
+  // the threads backend rank 0 measures all ranks' threads at once. Each
+  // process runs at most as many threads as it has cores (MeasurePeak).
+  auto measure_peak = [&]() {
+    Peak peak;
+    if (c.mpi) {
+      comm.Barrier();
+      peak = MeasurePeak(c.dtype, c.threads_per_rank);
+      const std::vector<double> all = AllGather(comm, peak.gflops);
+      const std::vector<double> tiles = AllGather(comm, peak.tile_gflops);
+      const std::vector<double> threads = AllGather(comm, peak.threads);
+      peak.gflops = peak.tile_gflops = 0;
+      peak.threads = 0;
+      for (int i = 0; i < n; ++i) {
+        peak.gflops += all[i];
+        peak.tile_gflops += tiles[i];
+        peak.threads += static_cast<int>(threads[i]);
+      }
+    } else if (rank == 0) {
+      peak = MeasurePeak(c.dtype, c.threads_per_rank * n);
+    }
+    return peak;
+  };
+  const Peak first = measure_peak();
+  // A rate above the peak (a peak measured while other work had the cores)
+  // is measured once more (SettlePeak). Rank 0 decides; under MPI the other
+  // ranks learn whether to measure with it.
+  if (rank != 0) {
+    if (c.mpi && Broadcast(comm, 0) != 0) measure_peak();
+    return r;  // no collective below: other ranks may leave
   }
-  if (rank != 0) return r;  // no collective below: other ranks may leave
-
-  r.allowed_pairs = AllowedPairs(mask, c.q_seq, c.seq, c.heads);
-  r.kv_bytes = static_cast<double>(c.batch) * static_cast<double>(c.seq) *
-               static_cast<double>(c.kv_heads) * static_cast<double>(c.head_dim + c.v_head_dim) *
-               static_cast<double>(DTypeSize(c.dtype));
-  r.kv_gb_per_s = r.seconds > 0 ? r.kv_bytes / r.seconds / 1e9 : 0;
-  r.flops = UsefulFlops(r.allowed_pairs, c.batch, c.head_dim, c.v_head_dim, c.pass);
-  r.gflops = r.seconds > 0 ? r.flops / r.seconds / 1e9 : 0;
-  r.peak_gflops = peak.gflops;
-  r.peak_method = peak.method;
-  r.peak_threads = peak.threads;
-  r.fraction_of_peak = r.peak_gflops > 0 ? r.gflops / r.peak_gflops : 0;
-  r.amx_peak_gflops = peak.tile_gflops;
-  r.fraction_of_amx_peak = peak.tile_gflops > 0 ? r.gflops / peak.tile_gflops : 0;
+  bool again = false;
+  const SettledPeak settled = SettlePeak(r.gflops, first, [&] {
+    again = true;
+    if (c.mpi) Broadcast(comm, 1);
+    return measure_peak();
+  });
+  if (c.mpi && !again) Broadcast(comm, 0);
+  r.peak_gflops = settled.peak.gflops;
+  r.peak_method = settled.peak.method;
+  r.peak_threads = settled.peak.threads;
+  r.amx_peak_gflops = settled.peak.tile_gflops;
+  r.peak_measurements = settled.measurements;
+  if (settled.fraction.reliable()) {
+    r.fraction_of_peak = settled.fraction.of_peak;
+    r.fraction_of_amx_peak = settled.fraction.of_tile_peak.value_or(0.0);
+  } else {
+    r.peak_unreliable_reason = settled.fraction.unreliable_reason;
+  }
   if (c.check) r.check = CheckSamples(c, mask, samples, c.threads_per_rank * (c.mpi ? 1 : n));
   return r;
 }

@@ -71,11 +71,15 @@ struct BenchResult {
   double peak_gflops = 0;
   std::string peak_method;
   int peak_threads = 0;
-  double fraction_of_peak = 0;
-  // bf16 on the amx path only (else 0): the AMX tile peak, and gflops over it.
+  // bf16 on the amx path only (else 0): the AMX tile peak.
   double amx_peak_gflops = 0;
-  double fraction_of_amx_peak = 0;
-  int64_t computed_blocks = 0, skipped_blocks = 0;                     // per iteration, all ranks
+  // gflops over peak_gflops and over amx_peak_gflops (0 without one); both
+  // absent when even a second measurement left the peak below the run's rate
+  // (peak.h, SettlePeak), with the reason.
+  std::optional<double> fraction_of_peak, fraction_of_amx_peak;
+  std::string peak_unreliable_reason;               // empty when the fractions are there
+  int peak_measurements = 1;                        // 2 when the peak was measured again
+  int64_t computed_blocks = 0, skipped_blocks = 0;  // per iteration, all ranks
   std::vector<double> compute_seconds, comm_wait_seconds, rank_flops;  // per rank, per iteration
   double imbalance = 1;                                                // max / mean of rank_flops
   std::optional<CheckResult> check;

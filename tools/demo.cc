@@ -11,6 +11,7 @@
 #include "tools/bench.h"
 #include "tools/bench_run.h"
 #include "tools/cli_common.h"
+#include "tools/peak.h"
 #include "tools/pending_outputs.h"
 #include "tools/progress.h"
 
@@ -54,8 +55,12 @@ void PrintTable(const BenchResult& r, double tol) {
               r.backward_seconds, r.seconds);
   std::printf("  %-12s %.1f GFLOP/s useful (%.3f TFLOP forward, x3.5 with backward)\n",
               "throughput", r.gflops, fwd_tflop);
-  std::printf("  %-12s %.1f GFLOP/s measured (%s, %d threads): %.1f %% of peak\n", "peak",
-              r.peak_gflops, r.peak_method.c_str(), r.peak_threads, 100 * r.fraction_of_peak);
+  PeakFraction fraction;
+  fraction.of_peak = r.fraction_of_peak;
+  if (r.amx_peak_gflops > 0) fraction.of_tile_peak = r.fraction_of_amx_peak;
+  fraction.unreliable_reason = r.peak_unreliable_reason;
+  std::printf("  %-12s %.1f GFLOP/s measured (%s, %d threads): %s\n", "peak", r.peak_gflops,
+              r.peak_method.c_str(), r.peak_threads, DescribeFraction(fraction).c_str());
   const double total_blocks = static_cast<double>(r.computed_blocks + r.skipped_blocks);
   std::printf("  %-12s %lld computed, %lld skipped by the mask (%.0f %%)\n\n", "tiles",
               static_cast<long long>(r.computed_blocks), static_cast<long long>(r.skipped_blocks),

@@ -3,9 +3,15 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <chrono>
+#include <cstdio>
 #include <thread>
 #include <vector>
+
+#if defined(__linux__)
+#include <sched.h>
+#endif
 
 #include "ringsplash/attention.h"
 #include "src/kernels/cpu_features.h"
@@ -66,9 +72,32 @@ double MeasureLoop(double (*loop)(int64_t), int threads, double seconds) {
 
 }  // namespace
 
+int UsableCores() {
+#if defined(__linux__)
+  // A mask as large as the kernel's: EINVAL means the set was too small for
+  // it (machines of more than 1024 CPUs), so try a larger one.
+  for (int cpus = 1024; cpus <= (1 << 20); cpus *= 2) {
+    cpu_set_t* set = CPU_ALLOC(cpus);
+    if (set == nullptr) break;
+    const size_t size = CPU_ALLOC_SIZE(cpus);
+    CPU_ZERO_S(size, set);
+    const int rc = sched_getaffinity(0, size, set);
+    const int count = rc == 0 ? CPU_COUNT_S(size, set) : 0;
+    const int error = errno;
+    CPU_FREE(set);
+    if (rc == 0) {
+      if (count > 0) return count;
+      break;
+    }
+    if (error != EINVAL) break;
+  }
+#endif
+  return static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+}
+
 Peak MeasurePeak(DType dtype, int threads, double seconds) {
   Peak peak;
-  peak.threads = std::max(1, threads);
+  peak.threads = std::clamp(threads, 1, UsableCores());
 #if defined(__x86_64__)
   const bool avx512 = Supports(KernelPath::kAvx512) || Supports(KernelPath::kAvx512Bf16);
   if (!avx512 && Supports(KernelPath::kAvx2)) {
@@ -103,6 +132,63 @@ Peak MeasurePeak(DType dtype, int threads, double seconds) {
   peak.method = "portable scalar fma";
   peak.gflops = MeasureLoop(PortableFma, peak.threads, seconds);
   return peak;
+}
+
+double RateBound(const Peak& peak) { return std::max(peak.gflops, peak.tile_gflops); }
+
+PeakFraction FractionOfPeak(double gflops, const Peak& peak) {
+  PeakFraction f;
+  if (!(peak.gflops > 0)) {
+    f.unreliable_reason = "no peak was measured";
+    return f;
+  }
+  if (gflops > RateBound(peak)) {
+    char why[256];
+    std::snprintf(why, sizeof(why),
+                  "the run's %.1f GFLOP/s is above the measured peak of %.1f GFLOP/s (%s, %d "
+                  "threads): other work had the cores while the peak was measured",
+                  gflops, RateBound(peak),
+                  peak.tile_gflops > peak.gflops ? "AMX tiles" : peak.method.c_str(), peak.threads);
+    f.unreliable_reason = why;
+    return f;
+  }
+  f.of_peak = gflops / peak.gflops;
+  if (peak.tile_gflops > 0) f.of_tile_peak = gflops / peak.tile_gflops;
+  return f;
+}
+
+Peak HigherPeak(const Peak& a, const Peak& b) {
+  Peak p = a;
+  if (b.gflops > p.gflops) {
+    p.gflops = b.gflops;
+    p.method = b.method;
+  }
+  p.tile_gflops = std::max(a.tile_gflops, b.tile_gflops);
+  return p;
+}
+
+SettledPeak SettlePeak(double gflops, const Peak& first,
+                       const std::function<Peak()>& measure_again) {
+  SettledPeak s;
+  s.peak = first;
+  s.fraction = FractionOfPeak(gflops, first);
+  if (s.fraction.reliable()) return s;
+  s.peak = HigherPeak(first, measure_again());
+  s.measurements = 2;
+  s.fraction = FractionOfPeak(gflops, s.peak);
+  if (!s.fraction.reliable()) s.fraction.unreliable_reason += " (measured twice)";
+  return s;
+}
+
+std::string DescribeFraction(const PeakFraction& fraction) {
+  if (!fraction.reliable()) return "n/a (peak measurement unreliable on a busy machine)";
+  char text[128];
+  int n = std::snprintf(text, sizeof(text), "%.1f %% of peak", 100 * *fraction.of_peak);
+  if (fraction.of_tile_peak) {
+    std::snprintf(text + n, sizeof(text) - static_cast<size_t>(n), ", %.1f %% of the AMX tile peak",
+                  100 * *fraction.of_tile_peak);
+  }
+  return text;
 }
 
 }  // namespace ringsplash::cli

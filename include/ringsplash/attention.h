@@ -6,10 +6,64 @@
 //   v     [B, Skv, Hkv, Dv]   same dtype as q
 //   out   [B, Sq, H, Dv]      same dtype as q (or f32)
 //   lse   [B, H, Sq]          f32
-//   sinks [H]                 f32 (optional)
+//   sinks [H]                 f32 (optional); finite, or -inf: no sink
 //   q_segments [B, Sq], kv_segments [B, Skv]  i32 (optional, both or neither)
 // Query head h reads key/value head h / (H / Hkv); K/V are never replicated.
 // Accumulation is f32 whatever the input dtype.
+//
+// What is computed, for batch b, query head h, query row i (SPEC §2):
+//   s_ij  = scale * (q_i . k_j), then cap * tanh(s_ij / cap) with a soft cap,
+//           over the keys j that the mask and the segment ids allow;
+//   lse_i = log(sum_j exp(s_ij) + exp(sinks[h]))   (natural log; the sink
+//           term only with sinks): the log of the row's whole softmax
+//           denominator, sinks included;
+//   out_i = sum_j exp(s_ij - lse_i) * v_j.
+// A sink is one extra logit per query head that joins every row's
+// denominator but carries no value, so a head can attend "nowhere": its
+// weights on the keys then sum to less than 1. sinks[h] = -inf is no sink
+// for head h (exp(-inf) = 0; its dsinks is 0); a NaN or +inf sink is an
+// Error. A row with no allowed key has out = 0 and lse = sinks[h], or
+// lse = -inf without a sink (gradients 0 — never NaN).
+// Merging partial results (attention over two key ranges by two calls:
+// lse = logaddexp(lse_a, lse_b), out = exp(lse_a - lse) out_a +
+// exp(lse_b - lse) out_b) counts every sink that either part was given:
+// give the sinks to one part only, or to none and add them to the merged
+// rows (lse' = logaddexp(lse, sinks[h]), out' = exp(lse - lse') out). The
+// ring (ring.h) merges its steps itself and adds the sinks once.
+// Backward: dsinks[h] = -sum_{b,i} exp(sinks[h] - lse_i) (dout_i . out_i).
+//
+// Memory. No output (AttentionForward: out, lse; AttentionBackward: dq, dk,
+// dv, dsinks) may share a byte with an input (q, k, v, sinks, q_segments,
+// kv_segments; in the backward also out, lse, dout) or with another output:
+// the kernels write outputs while they still read inputs (the backward
+// zeroes an f32 dq before it has read q), so such a call would be silently
+// wrong. It is an Error naming both arguments ("dq: expected memory shared
+// with no input or other output, got a view overlapping q (...)"), thrown
+// before anything is written. Shared bytes count, not address ranges: views
+// that interleave in one buffer without sharing an element pass (out beside
+// q in one [B, S, 2, H, D] buffer; dq, dk, dv as slices of one packed dqkv);
+// only views too intricate for the check's bounded search to decide (any
+// layout whose strides nest takes a few steps) are refused without sharing
+// a byte. Inputs may share memory with each other (q = k, a packed qkv, out
+// passed again as dout).
+//
+// Threads. Any number of threads may call AttentionForward,
+// AttentionBackward, ValidateAttentionInputs and ReleaseCachedThreads at
+// once: each call leases a worker pool of its own (a concurrent caller gets
+// another pool), Masks are immutable, and every call gives bitwise what it
+// gives alone. Concurrent calls may read the same inputs; none may write
+// memory another running call reads or writes (the memory rule across calls,
+// which the library cannot check). A call returns only once its workers are
+// done with its buffers.
+//
+// Errors. The argument checks (ringsplash::Error naming the argument, what
+// was expected and what was given) all run before anything is written:
+// after such an Error every output is untouched. A failure after them — a
+// finite result too large for an f16/bf16 output (an Error naming it), or
+// memory or threads running out (Error or std::bad_alloc) — can leave the
+// call's outputs partly written, to be treated as garbage: out and lse of
+// the forward; dq, dk and dv of the backward (dsinks is written last, only
+// once they are complete).
 #ifndef RINGSPLASH_ATTENTION_H_
 #define RINGSPLASH_ATTENTION_H_
 
@@ -109,7 +163,8 @@ struct KernelStats {
   }
 };
 
-// Forward: writes out and lse. Throws Error on any invalid argument. The
+// Forward: writes out and lse (see the top of this file for what they hold,
+// the memory rule and errors). Throws Error on any invalid argument. The
 // kernels accumulate in f32 (bf16 inputs on the avx512_bf16 and amx paths
 // round P, and in the backward dS, to bf16 for their products: KernelPath);
 // a contiguous f32 out, or a bf16 out whose rows have unit stride and whose
@@ -120,7 +175,8 @@ void AttentionForward(const AttentionInputs& in, const AttentionOptions& opt, Te
 
 // Backward, given the forward's out and lse and the upstream gradient dout
 // (shape of out). Writes dq, dk, dv (shapes of q, k, v; f32 or the input
-// dtype) and, when sinks are given, dsinks [H] f32.
+// dtype) and, when sinks are given, dsinks [H] f32; none of them may share
+// memory with an input (out, lse and dout included) or with each other.
 void AttentionBackward(const AttentionInputs& in, const AttentionOptions& opt, TensorView out,
                        TensorView lse, TensorView dout, TensorView dq, TensorView dk, TensorView dv,
                        TensorView dsinks, KernelStats* stats = nullptr);

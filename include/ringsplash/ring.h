@@ -82,10 +82,40 @@ struct RankStats {
 // in layout order); q_positions/kv_positions must be empty (the ring derives
 // them from the layout). Global lengths are local lengths * N. Collective:
 // every rank of `comm` must call it, with the same shapes, dtype, layout,
-// mask, scale, soft cap, sinks, segment presence and block sizes — checked
+// mask, scale, soft cap, sinks (values compared bit for bit; -inf is no
+// sink, as on a single device), segment presence and block sizes — checked
 // up front with one small all-reduce; a mismatch is an Error on every rank
 // naming what differs (e.g. "ranks disagree on the mask (rank 0: 'causal',
-// rank 1: 'full')").
+// rank 1: 'full')"). out, lse and dsinks mean what attention.h says, over
+// the global sequence: the ring merges its steps' partial results and adds
+// the sinks once per row.
+//
+// Memory: as in attention.h, no output of a rank may share a byte with its
+// inputs or its other outputs (an Error naming both, before anything is
+// written). RingAttentionThreads checks its global tensors the same way, and
+// also refuses out or lse sharing memory with dout (its forward writes them
+// while other ranks may still read their dout shard).
+//
+// Threads: one call at a time per Communicator — a Communicator belongs to
+// its rank's thread, and two calls on one communicator would mix their
+// transfers (not detected). Calls on different communicators may run at
+// once: threads-backend rings (each RunThreadRanks, and so each
+// RingAttentionThreads, makes its own communicators) run beside each other
+// and beside single-device calls, each giving bitwise what it gives alone.
+// The mpi backend is different: every MPI communicator of a process shares
+// one MPI communicator and message tag, so a process runs one MPI ring call
+// at a time. Each call starts its own kernel threads (num_threads).
+//
+// Errors: a rank's argument errors are thrown before that rank writes
+// anything (ranks that disagree all throw so, before any rank writes). When
+// one rank fails — an argument error only it has, an injected fault, an
+// f16/bf16 overflow, a timeout — every rank still waiting on it (a transfer,
+// the backward's final all-reduce) throws too, naming it ("rank 1 failed:
+// ..."); a rank that had already finished returns complete results. A rank
+// that throws after its own checks may have written part of any of its
+// outputs. RingAttentionThreads checks every argument on the global problem
+// before any rank starts; after a later failure its global outputs may be
+// partly written.
 void RingAttentionForward(Communicator& comm, const AttentionInputs& local,
                           const RingOptions& options, TensorView out, TensorView lse,
                           RankStats* stats = nullptr);

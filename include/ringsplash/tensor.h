@@ -2,7 +2,33 @@
 //
 // Attention tensors are 4-D ([B, S, H, D] in model layout). A view carries
 // per-dimension strides in elements, so memory laid out as [B, H, S, D] is
-// passed as a [B, S, H, D] view with permuted strides — no copy.
+// passed as a [B, S, H, D] view with permuted strides — no copy. The factories
+// below build the views of the common layouts (TensorView::Bshd, Bhsd, a K/V
+// cache's first rows: KvCache, and any row range: Narrowed), so shape and
+// stride arrays need no editing by hand.
+//
+// Strides the API accepts (every entry point: attention.h, ring.h):
+//  - Strides are in elements, one per dim, and must be >= 0 (a negative stride
+//    is an Error naming the argument). Sizes must be > 0 (views of size 0,
+//    which the factories allow, are refused there). The stride of a dim of
+//    size 1 is never used.
+//  - Inputs (q, k, v, sinks, segment ids; out, lse and dout where the backward
+//    reads them) may have any such strides, each dim independently:
+//    permuted ([B, H, S, D] memory), padded (rows of a larger buffer: a K/V
+//    cache with room for more tokens), 0 to repeat one slice (e.g. k/v shared
+//    by every batch entry), even overlapping. Nothing is written through them.
+//    Rows of unit stride (stride 1 on the last dim) are read in place; other
+//    rows are gathered per tile first, which is slower.
+//  - Outputs (out, lse, dq, dk, dv, dsinks) are written element by element in
+//    parallel, so no two indices may reach the same element. The API refuses
+//    the certain cases (stride 0 on a dim of size > 1, two dims of size > 1
+//    with equal strides); other self-overlapping strides are not detected and
+//    leave the output undefined. Views whose dims nest never overlap: sorted
+//    by stride, each dim's stride is at least the extent spanned by the dims
+//    before it — true of every permutation of a C-order buffer (Bshd, Bhsd)
+//    and of every row range of one (KvCache, Narrowed).
+//  - Whether an output may share memory with an input is each entry point's
+//    rule, stated with it (attention.h, ring.h).
 #ifndef RINGSPLASH_TENSOR_H_
 #define RINGSPLASH_TENSOR_H_
 
@@ -58,6 +84,31 @@ struct TensorView {
   // Row-major (C order) view of `shape`.
   static TensorView Contiguous(void* data, DType dtype, std::initializer_list<int64_t> shape);
   static TensorView Contiguous(void* data, DType dtype, const std::vector<int64_t>& shape);
+
+  // Views in model layout [B, S, H, D] of the buffers attention meets. Sizes
+  // are given in the buffer's own order and must be >= 0 (else an Error
+  // naming the size); `data` points at element [0, 0, 0, 0].
+  //
+  // A C-order [B, S, H, D] buffer (the model layout itself): strides
+  // {S*H*D, H*D, D, 1}, as Contiguous.
+  static TensorView Bshd(void* data, DType dtype, int64_t b, int64_t s, int64_t h, int64_t d);
+  // A C-order [B, H, S, D] buffer (each head's rows together, as PyTorch's
+  // scaled_dot_product_attention and most K/V caches hold them), viewed as
+  // [B, S, H, D]: strides {H*S*D, D, S*D, 1}. No copy.
+  static TensorView Bhsd(void* data, DType dtype, int64_t b, int64_t h, int64_t s, int64_t d);
+  // The first `len` rows of a K/V cache allocated as a C-order
+  // [B, max_len, Hkv, D] buffer: a [B, len, Hkv, D] view with the cache's
+  // strides {max_len*Hkv*D, Hkv*D, D, 1}; 0 <= len <= max_len (else an Error
+  // naming len). Rows from len on are never read through it. A cache laid out
+  // [B, Hkv, max_len, D] is Bhsd(data, dtype, B, Hkv, max_len, D).Narrowed(1, 0, len).
+  static TensorView KvCache(void* data, DType dtype, int64_t b, int64_t max_len, int64_t hkv,
+                            int64_t d, int64_t len);
+
+  // Indices [start, start + length) of dim `dim` (torch's narrow): the same
+  // strides, `data` moved to index `start`, shape[dim] = length. E.g. the
+  // query row of the token at position p: q.Narrowed(1, p, 1). Throws Error
+  // unless 0 <= dim < ndim and 0 <= start <= start + length <= shape[dim].
+  TensorView Narrowed(int dim, int64_t start, int64_t length) const;
 
   bool defined() const { return data != nullptr; }
   int64_t numel() const;

@@ -111,6 +111,59 @@ TensorView TensorView::Contiguous(void* data, DType dtype, const std::vector<int
   return t;
 }
 
+namespace {
+
+void CheckSize(const char* factory, const char* name, int64_t value) {
+  Check(value >= 0, "TensorView::", factory, ": ", name, ": expected a size >= 0, got ", value);
+}
+
+}  // namespace
+
+TensorView TensorView::Bshd(void* data, DType dtype, int64_t b, int64_t s, int64_t h, int64_t d) {
+  CheckSize("Bshd", "B", b);
+  CheckSize("Bshd", "S", s);
+  CheckSize("Bshd", "H", h);
+  CheckSize("Bshd", "D", d);
+  return Contiguous(data, dtype, {b, s, h, d});
+}
+
+TensorView TensorView::Bhsd(void* data, DType dtype, int64_t b, int64_t h, int64_t s, int64_t d) {
+  CheckSize("Bhsd", "B", b);
+  CheckSize("Bhsd", "H", h);
+  CheckSize("Bhsd", "S", s);
+  CheckSize("Bhsd", "D", d);
+  return Contiguous(data, dtype, {b, h, s, d}).Transposed(1, 2);
+}
+
+TensorView TensorView::KvCache(void* data, DType dtype, int64_t b, int64_t max_len, int64_t hkv,
+                               int64_t d, int64_t len) {
+  CheckSize("KvCache", "B", b);
+  CheckSize("KvCache", "max_len", max_len);
+  CheckSize("KvCache", "Hkv", hkv);
+  CheckSize("KvCache", "D", d);
+  Check(len >= 0 && len <= max_len, "TensorView::KvCache: len: expected 0 to max_len = ", max_len,
+        " valid rows, got ", len);
+  TensorView t = Contiguous(data, dtype, {b, max_len, hkv, d});
+  t.shape[1] = len;
+  return t;
+}
+
+TensorView TensorView::Narrowed(int dim, int64_t start, int64_t length) const {
+  Check(dim >= 0 && dim < ndim, "Narrowed: dim: expected 0 to ", ndim - 1, " for a ", ndim,
+        "-d view, got ", dim);
+  Check(start >= 0 && start <= shape[dim], "Narrowed: start: expected 0 to ", shape[dim],
+        " (the size of dim ", dim, " of ", *this, "), got ", start);
+  Check(length >= 0 && length <= shape[dim] - start, "Narrowed: length: expected 0 to ",
+        shape[dim] - start, " (dim ", dim, " of ", *this, " from ", start, "), got ", length);
+  TensorView t = *this;
+  if (data != nullptr) {  // an undefined view stays undefined (no arithmetic on null)
+    t.data =
+        static_cast<char*>(data) + start * stride[dim] * static_cast<int64_t>(DTypeSize(dtype));
+  }
+  t.shape[dim] = length;
+  return t;
+}
+
 int64_t TensorView::numel() const {
   int64_t n = 1;
   for (int i = 0; i < ndim; ++i) n *= shape[i];

@@ -12,7 +12,9 @@
 // The backward mirrors it: delta = rowsum(dout * out), zeroed f32 dq/dk/dv
 // accumulators, FlashBackward, CopyConvert; dsinks from (sinks, lse, delta).
 // When a caller's view is already f32 and contiguous the kernels write into
-// it directly (no scratch, no copy).
+// it directly (no scratch, no copy): validation refused outputs that share
+// memory with an input or another output (the backward zeroes dq/dk/dv
+// before it reads q, k, v and dout).
 // Non-finite inputs (src/kernels/poison.h): the forward's kernel checks the
 // rows it reads, the backward scans its inputs once; only when either finds
 // something do the kernels run on cleaned copies, after which the rows that
@@ -201,11 +203,10 @@ struct CleanInputs {
       pr.params.k = k.view();
       pr.params.v = v.view();
     }
-    kernels::CleanSinks(pr.sinks);
   }
 };
 
-// Rows [B, H, Sq] whose lse / out depend on a poisoned q, k, v or sink.
+// Rows [B, H, Sq] whose lse / out depend on a poisoned q, k or v.
 void ForwardPoison(const AttentionInputs& in, const AttentionOptions& opt, const Prepared& pr,
                    const kernels::InputScan& scan, std::vector<char>& lse_p,
                    std::vector<char>& out_p) {
@@ -214,7 +215,6 @@ void ForwardPoison(const AttentionInputs& in, const AttentionOptions& opt, const
   out_p.assign(lse_p.size(), 0);
   kernels::MarkForward(RuleOf(in, opt, pr), d, scan.any_kv ? scan.kv.data() : nullptr,
                        scan.any_q ? scan.q.data() : nullptr, lse_p.data(), out_p.data());
-  kernels::MarkSinks(d, scan.sinks, lse_p.data());
   for (size_t r = 0; r < lse_p.size(); ++r) out_p[r] |= lse_p[r];
 }
 
@@ -225,7 +225,7 @@ void ReleaseCachedThreads() { PoolCache::Get().Clear(); }
 void AttentionForward(const AttentionInputs& in, const AttentionOptions& opt, TensorView out,
                       TensorView lse, KernelStats* stats) {
   const AttentionDims dims = kernels::ValidateInputsAndOptions(in, opt);
-  kernels::ValidateForwardOutputs(dims, in.q.dtype, out, lse);
+  kernels::ValidateForwardOutputs(dims, in, out, lse);
   Prepared pr;
   Prepare(in, opt, dims, pr);
   PoolLease lease(opt.num_threads);
@@ -241,8 +241,8 @@ void AttentionForward(const AttentionInputs& in, const AttentionOptions& opt, Te
   F32Buffer lse32(lse, {dims.b, dims.h, dims.sq}, /*zero=*/false, "lse");
   KernelStats local;
 
-  // Non-finite inputs (poison.h; sinks were validated finite). Optimistically,
-  // the kernel checks the rows it reads as it computes
+  // Non-finite inputs (poison.h; sinks are validated: finite or -inf).
+  // Optimistically, the kernel checks the rows it reads as it computes
   // (FlashParams::non_finite) — no separate pass over the inputs. Only if it
   // met a NaN/Inf is the call redone the exact way: scan, compute on cleaned
   // copies, poison the dependent rows — in f32 scratch, also when a direct
@@ -262,7 +262,7 @@ void AttentionForward(const AttentionInputs& in, const AttentionOptions& opt, Te
   kernels::InputScan scan;
   CleanInputs clean;
   if (met_non_finite.load()) {
-    scan = kernels::ScanInputs(in.q, in.k, in.v, pr.sinks, &lease.pool());
+    scan = kernels::ScanInputs(in.q, in.k, in.v, &lease.pool());
     if (scan.any()) clean.Apply(scan, pr);
     redo = true;
   }
@@ -294,13 +294,13 @@ void AttentionBackward(const AttentionInputs& in, const AttentionOptions& opt, T
   Prepared pr;
   Prepare(in, opt, dims, pr);
   PoolLease lease(opt.num_threads);  // the input scans use it too
-  const kernels::InputScan scan = kernels::ScanInputs(in.q, in.k, in.v, pr.sinks, &lease.pool());
+  const kernels::InputScan scan = kernels::ScanInputs(in.q, in.k, in.v, &lease.pool());
   std::vector<char> dout_bad, out_bad;
   const bool any_dout = kernels::ScanRows(dout, 1, dout_bad, &lease.pool());
   const bool any_out = kernels::ScanRows(out, 1, out_bad, &lease.pool());
   const auto rows = static_cast<size_t>(dims.b * dims.h * dims.sq);
   // lse rows [B, H, Sq] that are poisoned: given as NaN/+inf, or (below)
-  // depending on a poisoned q, k, v or sink.
+  // depending on a poisoned q, k or v.
   std::vector<char> lse_bad(rows, 0);
   const bool any_lse = kernels::ScanLse(dims, lse, lse_bad.data());
   const bool poisoned = scan.any() || any_dout || any_out || any_lse;

@@ -126,34 +126,14 @@ bool AnyNonFinite(const TensorView& t, int64_t b, int64_t s0, int64_t rows, int6
 }
 
 InputScan ScanInputs(const TensorView& q, const TensorView& k, const TensorView& v,
-                     const std::vector<float>& sinks, ThreadPool* pool) {
+                     ThreadPool* pool) {
   InputScan s;
   s.any_q = ScanRows(q, 1, s.q, pool);
   if (k.defined()) {
     s.any_kv = ScanRows(k, kKeyBad, s.kv, pool);
     s.any_kv = ScanRows(v, kValueBad, s.kv, pool) || s.any_kv;
   }
-  s.sinks.assign(sinks.size(), 0);
-  for (size_t h = 0; h < sinks.size(); ++h) {
-    if (!std::isfinite(sinks[h])) s.sinks[h] = s.any_sinks = true;
-  }
   return s;
-}
-
-void CleanSinks(std::vector<float>& sinks) {
-  for (float& x : sinks) {
-    if (!std::isfinite(x)) x = 0.0f;
-  }
-}
-
-void MarkSinks(const AttentionDims& d, const std::vector<char>& sink_bad, char* lse_p) {
-  if (sink_bad.empty()) return;
-  for (int64_t b = 0; b < d.b; ++b) {
-    for (int64_t h = 0; h < d.h; ++h) {
-      if (sink_bad[static_cast<size_t>(h)] == 0) continue;
-      std::memset(lse_p + (b * d.h + h) * d.sq, 1, static_cast<size_t>(d.sq));
-    }
-  }
 }
 
 Tensor CleanCopy(const TensorView& t) {

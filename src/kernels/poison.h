@@ -14,12 +14,14 @@
 // The dependency sets, with "allowed" = mask and segment ids and
 // g = h / (H / Hkv):
 //   lse[b,h,i]  q[b,i,h] bad and row i has an allowed key; an allowed k row
-//               bad; sinks[h] bad
+//               bad
 //   out[b,h,i]  lse poisoned or an allowed v row bad
 //   PR[b,h,i]   out poisoned or dout[b,i,h] bad (dq poisoned)
 //   dk[b,j,g]   some row (b,h,i) of group g allowing j is PR
 //   dv[b,j,g]   some row of group g allowing j has lse poisoned or bad dout
 //   dsinks[h]   some row of head h is PR
+// Sinks are not data here: NaN and +inf sinks are refused by validation
+// (validate.cc) and -inf is a valid "no sink" (combine.h handles it).
 // Row flags are chars (0/1); row-major orders are given per function.
 #ifndef RINGSPLASH_KERNELS_POISON_H_
 #define RINGSPLASH_KERNELS_POISON_H_
@@ -55,23 +57,15 @@ bool AnyNonFinite(const TensorView& t, int64_t b, int64_t s0, int64_t rows, int6
 
 // Non-finite rows of the inputs of one call (or one rank's part of it).
 struct InputScan {
-  std::vector<char> q;      // [B, Sq, H]
-  std::vector<char> kv;     // [B, Skv, Hkv]: kKeyBad | kValueBad
-  std::vector<char> sinks;  // [H]
-  bool any_q = false, any_kv = false, any_sinks = false;
-  bool any() const { return any_q || any_kv || any_sinks; }
+  std::vector<char> q;   // [B, Sq, H]
+  std::vector<char> kv;  // [B, Skv, Hkv]: kKeyBad | kValueBad
+  bool any_q = false, any_kv = false;
+  bool any() const { return any_q || any_kv; }
 };
 
-// Scans q, k, v (4-D float views; k and v may be undefined: not scanned) and
-// the sinks ([H] or empty).
+// Scans q, k, v (4-D float views; k and v may be undefined: not scanned).
 InputScan ScanInputs(const TensorView& q, const TensorView& k, const TensorView& v,
-                     const std::vector<float>& sinks, ThreadPool* pool = nullptr);
-
-// Replaces non-finite sinks by 0.
-void CleanSinks(std::vector<float>& sinks);
-
-// Marks every row [B, H, Sq] of a head whose sink is non-finite.
-void MarkSinks(const AttentionDims& d, const std::vector<char>& sink_bad, char* lse_p);
+                     ThreadPool* pool = nullptr);
 
 // A contiguous copy of the 4-D float view `t`, same dtype, with every
 // non-finite element replaced by 0.

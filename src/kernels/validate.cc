@@ -5,6 +5,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <limits>
 #include <sstream>
 #include <string>
 #include <utility>
@@ -152,12 +154,15 @@ AttentionDims ValidateInputsAndOptions(const AttentionInputs& in, const Attentio
     CheckBasic(in.sinks, "sinks", 1, e);
     Check(in.sinks.shape[0] == d.h && in.sinks.dtype == DType::kF32, "sinks: expected ", e,
           ", got ", in.sinks);
-    // A NaN sink makes its whole head NaN and an infinite one NaN gradients
-    // (dsinks = -sum exp(sink - lse) * D with lse = +inf): refuse them here,
-    // O(H), rather than return poisoned results.
+    // -inf is "no sink for this head" (SPEC §2.4: exp(-inf) = 0 joins the
+    // denominator; combine.cc keeps such heads free of -inf - -inf). A NaN
+    // sink would make its whole head NaN and +inf its out 0 and its
+    // gradients NaN (dsinks = -sum exp(sink - lse) * D with lse = +inf):
+    // refused here, O(H), rather than returned as poisoned results.
     for (int64_t h = 0; h < d.h; ++h) {
       const float s = LoadAsF32(in.sinks, h * in.sinks.stride[0]);
-      Check(std::isfinite(s), "sinks[", h, "]: expected a finite value, got ", s);
+      Check(std::isfinite(s) || s == -std::numeric_limits<float>::infinity(), "sinks[", h,
+            "]: expected a finite value or -inf (no sink for this head), got ", s);
     }
   }
 
@@ -223,8 +228,12 @@ AttentionDims ValidateInputsAndOptions(const AttentionInputs& in, const Attentio
   return d;
 }
 
-void ValidateForwardOutputs(const AttentionDims& d, DType q_dtype, const TensorView& out,
-                            const TensorView& lse) {
+namespace {
+
+// out and lse of the forward, as the forward writes and the backward reads
+// them: shapes, dtypes, no self-overlap.
+void CheckOutAndLse(const AttentionDims& d, DType q_dtype, const TensorView& out,
+                    const TensorView& lse) {
   const auto eo = Lazy([&] { return Shape4("B", d.b, "Sq", d.sq, "H", d.h, "Dv", d.dv); });
   CheckBasic(out, "out", 4, eo);
   CheckShape(out, "out", {d.b, d.sq, d.h, d.dv}, eo);
@@ -240,11 +249,24 @@ void ValidateForwardOutputs(const AttentionDims& d, DType q_dtype, const TensorV
   Check(lse.dtype == DType::kF32, "lse: expected ", el, ", got ", lse);
 }
 
+}  // namespace
+
+void ValidateForwardOutputs(const AttentionDims& d, const AttentionInputs& in,
+                            const TensorView& out, const TensorView& lse) {
+  CheckOutAndLse(d, in.q.dtype, out, lse);
+  CheckNoAliasing({{"out", out}, {"lse", lse}}, {{"q", in.q},
+                                                 {"k", in.k},
+                                                 {"v", in.v},
+                                                 {"sinks", in.sinks},
+                                                 {"q_segments", in.q_segments},
+                                                 {"kv_segments", in.kv_segments}});
+}
+
 void ValidateBackwardArgs(const AttentionDims& d, const AttentionInputs& in, const TensorView& out,
                           const TensorView& lse, const TensorView& dout, const TensorView& dq,
                           const TensorView& dk, const TensorView& dv, const TensorView& dsinks) {
   const DType qd = in.q.dtype;
-  ValidateForwardOutputs(d, qd, out, lse);
+  CheckOutAndLse(d, qd, out, lse);
   const auto eo =
       Lazy([&] { return Shape4("B", d.b, "Sq", d.sq, "H", d.h, "Dv", d.dv) + " (shape of out)"; });
   CheckBasic(dout, "dout", 4, eo);
@@ -279,6 +301,108 @@ void ValidateBackwardArgs(const AttentionDims& d, const AttentionInputs& in, con
     CheckOutputNoOverlap(dsinks, "dsinks");
   } else {
     Check(!dsinks.defined(), "dsinks: expected none (no sinks were given), got ", dsinks);
+  }
+  CheckNoAliasing({{"dq", dq}, {"dk", dk}, {"dv", dv}, {"dsinks", dsinks}},
+                  {{"q", in.q},
+                   {"k", in.k},
+                   {"v", in.v},
+                   {"sinks", in.sinks},
+                   {"q_segments", in.q_segments},
+                   {"kv_segments", in.kv_segments},
+                   {"out", out},
+                   {"lse", lse},
+                   {"dout", dout}});
+}
+
+namespace {
+
+// One dimension of the overlap search: coef * z for an integer z in [lo, hi]
+// (coef > 0, in bytes).
+struct OverlapTerm {
+  int64_t coef, lo, hi;
+};
+
+int64_t FloorDiv(int64_t a, int64_t b) { return a / b - ((a % b != 0) && ((a < 0) != (b < 0))); }
+int64_t CeilDiv(int64_t a, int64_t b) { return -FloorDiv(-a, b); }
+
+// Whether integers z_k in [terms[k].lo, terms[k].hi] for k >= `k` make
+// `base` + sum coef_k z_k land in [lo, hi]. rmin/rmax[k]: the least and
+// greatest sum of terms k.. . Terms come by decreasing coef, so each level
+// only tries the z whose remaining terms can still reach [lo, hi]: one or
+// two per level when strides nest. `budget` counts the calls left; at 0
+// the answer is "yes" (undecided counts as overlapping).
+bool ReachesRange(const std::vector<OverlapTerm>& terms, const std::vector<int64_t>& rmin,
+                  const std::vector<int64_t>& rmax, size_t k, int64_t base, int64_t lo, int64_t hi,
+                  int64_t& budget) {
+  if (k == terms.size()) return lo <= base && base <= hi;
+  if (--budget < 0) return true;
+  const OverlapTerm& t = terms[k];
+  const int64_t z0 = std::max(t.lo, CeilDiv(lo - base - rmax[k + 1], t.coef));
+  const int64_t z1 = std::min(t.hi, FloorDiv(hi - base - rmin[k + 1], t.coef));
+  for (int64_t z = z0; z <= z1; ++z) {
+    if (ReachesRange(terms, rmin, rmax, k + 1, base + t.coef * z, lo, hi, budget)) return true;
+  }
+  return false;
+}
+
+}  // namespace
+
+bool ViewsOverlap(const TensorView& a, const TensorView& b) {
+  if (!a.defined() || !b.defined() || a.numel() == 0 || b.numel() == 0) return false;
+  const auto ea = static_cast<int64_t>(DTypeSize(a.dtype));
+  const auto eb = static_cast<int64_t>(DTypeSize(b.dtype));
+  // Element i of a covers bytes [pa + ea * sum i_k sa_k, ... + ea), element j
+  // of b likewise; they share a byte iff addr_a(i) - addr_b(j) lies in
+  // [-(ea - 1), eb - 1]. That difference is base + sum over a's dims of
+  // (ea sa_k) i_k - sum over b's dims of (eb sb_k) j_k. Dims of one byte
+  // stride in both views merge into one term: z = i_k - j_k takes every
+  // value between, so two views of the same strides (slices of one packed
+  // buffer) need a few steps instead of one per row.
+  std::vector<OverlapTerm> terms;
+  auto add = [&terms](int64_t coef, int64_t lo, int64_t hi) {
+    if (coef < 0) {  // a negative stride: coef z = (-coef)(-z)
+      coef = -coef;
+      lo = -std::exchange(hi, -lo);
+    }
+    for (OverlapTerm& t : terms) {
+      if (t.coef == coef) {
+        t.lo += lo;
+        t.hi += hi;
+        return;
+      }
+    }
+    terms.push_back({coef, lo, hi});
+  };
+  for (int i = 0; i < a.ndim; ++i) {
+    if (a.shape[i] > 1 && a.stride[i] != 0) add(a.stride[i] * ea, 0, a.shape[i] - 1);
+  }
+  for (int i = 0; i < b.ndim; ++i) {
+    if (b.shape[i] > 1 && b.stride[i] != 0) add(b.stride[i] * eb, 1 - b.shape[i], 0);
+  }
+  std::sort(terms.begin(), terms.end(),
+            [](const OverlapTerm& x, const OverlapTerm& y) { return x.coef > y.coef; });
+  std::vector<int64_t> rmin(terms.size() + 1, 0), rmax(terms.size() + 1, 0);
+  for (size_t k = terms.size(); k-- > 0;) {
+    rmin[k] = rmin[k + 1] + terms[k].coef * terms[k].lo;
+    rmax[k] = rmax[k + 1] + terms[k].coef * terms[k].hi;
+  }
+  const int64_t base = static_cast<int64_t>(reinterpret_cast<uintptr_t>(a.data)) -
+                       static_cast<int64_t>(reinterpret_cast<uintptr_t>(b.data));
+  int64_t budget = int64_t{1} << 17;
+  return ReachesRange(terms, rmin, rmax, 0, base, 1 - ea, eb - 1, budget);
+}
+
+void CheckNoAliasing(std::initializer_list<NamedView> outputs,
+                     std::initializer_list<NamedView> inputs) {
+  for (auto o = outputs.begin(); o != outputs.end(); ++o) {
+    auto check = [&o](const NamedView& other) {
+      Check(!ViewsOverlap(o->view, other.view), o->name,
+            ": expected memory shared with no input or other output, got a view overlapping ",
+            other.name, " (", o->name, " ", o->view, " at ", o->view.data, ", ", other.name, " ",
+            other.view, " at ", other.view.data, ")");
+    };
+    for (const NamedView& in : inputs) check(in);
+    for (auto p = outputs.begin(); p != o; ++p) check(*p);
   }
 }
 

@@ -64,7 +64,7 @@ struct BackwardPoison {
   BackwardPoison(const RingSetup& s, const TensorView& q, const TensorView& out,
                  const TensorView& lse, const TensorView& dout) {
     const kernels::AttentionDims& d = s.dims;
-    const kernels::InputScan scan = kernels::ScanInputs(q, TensorView(), TensorView(), s.sinks);
+    const kernels::InputScan scan = kernels::ScanInputs(q, TensorView(), TensorView());
     std::vector<char> dout_bad, out_bad;
     any_q = scan.any_q;
     any_dout = kernels::ScanRows(dout, 1, dout_bad);
@@ -72,7 +72,6 @@ struct BackwardPoison {
     const auto rows = static_cast<size_t>(d.b * d.h * d.sq);
     lse_p.assign(rows, 0);
     const bool any_lse = kernels::ScanLse(d, lse, lse_p.data());
-    kernels::MarkSinks(d, scan.sinks, lse_p.data());
     any = scan.any() || any_dout || any_out || any_lse;
     if (!any) return;
     pr.assign(rows, 0);
@@ -99,9 +98,9 @@ void BackwardSteps(Communicator& comm, const RingSetup& s, const AttentionInputs
   // Non-finite inputs (src/kernels/poison.h). This rank's rows [B, H, Sq]
   // that are PR (out poisoned or bad dout; dq, dk, dsinks) or poison dv
   // (lse poisoned or bad dout) follow from the out and lse the forward wrote
-  // (NaN rows), the sinks and dout; they mark the dk/dv rows of each slice
-  // they allow with NaN in the travelling accumulator, which carries the
-  // poison home. k/v rows come cleaned in the slice.
+  // (NaN rows) and dout; they mark the dk/dv rows of each slice they allow
+  // with NaN in the travelling accumulator, which carries the poison home.
+  // k/v rows come cleaned in the slice.
   const BackwardPoison poison(s, local.q, out, lse, dout);
   Tensor clean_q, clean_dout;
   TensorView dout_in = dout;
@@ -110,8 +109,6 @@ void BackwardSteps(Communicator& comm, const RingSetup& s, const AttentionInputs
     clean_dout = kernels::CleanCopy(dout);
     dout_in = clean_dout.view();
   }
-  std::vector<float> sinks = s.sinks;
-  kernels::CleanSinks(sinks);
 
   // delta [B, H, Sq] = rowsum(dout * out) from the caller's out (as the
   // single-device backward does); lse as contiguous f32. A non-finite delta
@@ -197,7 +194,7 @@ void BackwardSteps(Communicator& comm, const RingSetup& s, const AttentionInputs
     // Over this rank's rows only, then summed over ranks: once per row of
     // the global sequence (not once per step).
     std::vector<float> ds(static_cast<size_t>(d.h), 0.0f);
-    kernels::AccumulateDSinks(s.Rows(), sinks.data(), lse32.data_as<float>(), delta.data(),
+    kernels::AccumulateDSinks(s.Rows(), s.sinks.data(), lse32.data_as<float>(), delta.data(),
                               ds.data());
     // NaN joins the all-reduce sum: dsinks[h] is NaN on every rank.
     if (poison.any) kernels::PoisonDSinks(d, poison.pr.data(), ds.data());

@@ -75,6 +75,7 @@ Tensor ByteBuffer(size_t bytes) {
 kernels::FlashParams RingSetup::StepParams(const SliceLayout& layout, void* slice,
                                            int source) const {
   kernels::FlashParams p = params;
+  p.q_pos = q_pos.data();
   p.k = layout.K(slice);
   p.v = layout.V(slice);
   p.kv_segments = layout.Segments(slice);
@@ -125,7 +126,6 @@ RingSetup PrepareRing(Communicator& comm, const AttentionInputs& local, const Ri
   kernels::FlashParams& p = s.params;
   p.q = local.q;
   p.q_segments = local.q_segments;
-  p.q_pos = s.q_pos.data();
   p.mask = &opt.mask;
   p.scale = scale;
   p.softcap = opt.softcap ? *opt.softcap : 0.0f;

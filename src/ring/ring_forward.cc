@@ -19,7 +19,6 @@
 #include <cmath>
 #include <exception>
 #include <limits>
-#include <utility>
 #include <vector>
 
 #include "ringsplash/error.h"
@@ -47,27 +46,6 @@ struct ForwardScratch {
   Tensor slices[2];
 };
 
-// The bytes a view's elements lie in (strides are non-negative: validated).
-std::pair<const char*, const char*> ByteSpan(const TensorView& t) {
-  const char* begin = static_cast<const char*>(t.data);
-  int64_t last = 0;
-  for (int i = 0; i < t.ndim; ++i) {
-    if (t.shape[i] == 0) return {begin, begin};
-    last += (t.shape[i] - 1) * t.stride[i];
-  }
-  return {begin, begin + (last + 1) * static_cast<int64_t>(DTypeSize(t.dtype))};
-}
-
-bool OverlapsAnyInput(const TensorView& out, const AttentionInputs& in) {
-  const auto [o0, o1] = ByteSpan(out);
-  for (const TensorView* t : {&in.q, &in.k, &in.v, &in.sinks, &in.q_segments, &in.kv_segments}) {
-    if (!t->defined()) continue;
-    const auto [i0, i1] = ByteSpan(*t);
-    if (o0 < i1 && i0 < o1) return true;
-  }
-  return false;
-}
-
 void ForwardSteps(Communicator& comm, const RingSetup& s, const AttentionInputs& local,
                   const TensorView& out, const TensorView& lse, ForwardScratch& scratch,
                   RankStats* stats) {
@@ -80,12 +58,11 @@ void ForwardSteps(Communicator& comm, const RingSetup& s, const AttentionInputs&
   // f32 accumulators: (out, lse) over the slices seen so far; step 0 writes
   // them directly, later steps merge into them. The caller's buffers serve
   // when they already have that form (the common f32 case saves one
-  // output-sized allocation per rank).
-  // Not when they overlap an input: q is read again at every step, after
-  // step 0 has written the accumulators.
-  auto accumulator = [&local](const TensorView& given, std::initializer_list<int64_t> shape,
-                              Tensor& own) -> float* {
-    if (given.dtype == DType::kF32 && given.is_contiguous() && !OverlapsAnyInput(given, local)) {
+  // output-sized allocation per rank). They share no memory with an input
+  // (validated: q is read again at every step, after step 0 wrote them).
+  auto accumulator = [](const TensorView& given, std::initializer_list<int64_t> shape,
+                        Tensor& own) -> float* {
+    if (given.dtype == DType::kF32 && given.is_contiguous()) {
       return static_cast<float*>(given.data);
     }
     own = Tensor(DType::kF32, shape);
@@ -95,17 +72,14 @@ void ForwardSteps(Communicator& comm, const RingSetup& s, const AttentionInputs&
   float* out_acc = accumulator(out, {d.b, d.sq, d.h, d.dv}, out_own);
   float* lse_acc = accumulator(lse, {d.b, d.h, d.sq}, lse_own);
 
-  // Non-finite inputs (src/kernels/poison.h): local q rows and sinks are
-  // scanned here, each slice's k/v rows at its owner's Pack. The kernels see
-  // cleaned data; rows [B, H, Sq] that depend on a poisoned input collect in
-  // lse_p / out_p (only allocated once something is poisoned) and become NaN.
+  // Non-finite inputs (src/kernels/poison.h): local q rows are scanned here,
+  // each slice's k/v rows at its owner's Pack. The kernels see cleaned data;
+  // rows [B, H, Sq] that depend on a poisoned input collect in lse_p / out_p
+  // (only allocated once something is poisoned) and become NaN.
   kernels::ThreadPool pool(s.num_threads);
-  const kernels::InputScan scan =
-      kernels::ScanInputs(local.q, TensorView(), TensorView(), s.sinks, &pool);
+  const kernels::InputScan scan = kernels::ScanInputs(local.q, TensorView(), TensorView(), &pool);
   Tensor clean_q;
   if (scan.any_q) clean_q = kernels::CleanCopy(local.q);
-  std::vector<float> sinks = s.sinks;
-  kernels::CleanSinks(sinks);
   std::vector<char> lse_p, out_p;
 
   for (int t = 0; t < n; ++t) {
@@ -145,15 +119,10 @@ void ForwardSteps(Communicator& comm, const RingSetup& s, const AttentionInputs&
     if (stats != nullptr) stats->forward_steps.push_back(step);
   }
   // Sinks join each row's denominator once, after every slice was merged.
-  if (!sinks.empty()) {
-    kernels::ApplySinks(s.Rows(), out_acc, lse_acc, sinks.data());
-  }
-  if (scan.any_sinks && lse_p.empty()) {
-    lse_p.assign(static_cast<size_t>(d.b * d.h * d.sq), 0);
-    out_p.assign(lse_p.size(), 0);
+  if (!s.sinks.empty()) {
+    kernels::ApplySinks(s.Rows(), out_acc, lse_acc, s.sinks.data());
   }
   if (!lse_p.empty()) {
-    kernels::MarkSinks(d, scan.sinks, lse_p.data());
     for (size_t r = 0; r < lse_p.size(); ++r) out_p[r] |= lse_p[r];
     kernels::FillQueryRows(out_acc, d, d.dv, out_p.data());
     kernels::FillRows(lse_acc, static_cast<int64_t>(lse_p.size()), 1, lse_p.data());
@@ -171,7 +140,7 @@ void RingAttentionForward(Communicator& comm, const AttentionInputs& local,
   ForwardScratch scratch;  // outlives the try: see ForwardScratch
   try {
     const RingSetup s = ring_internal::PrepareRing(comm, local, options, /*backward=*/false);
-    kernels::ValidateForwardOutputs(s.dims, local.q.dtype, out, lse);
+    kernels::ValidateForwardOutputs(s.dims, local, out, lse);
     if (stats != nullptr) {
       stats->rank = s.rank;
       stats->forward_steps.clear();

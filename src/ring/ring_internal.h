@@ -56,20 +56,34 @@ struct SliceLayout {
 // A byte buffer of `bytes`, 64-byte aligned, zero-filled.
 Tensor ByteBuffer(size_t bytes);
 
-// Everything fixed for one rank's ring call.
+// Everything fixed for one rank's ring call. It holds no pointer into itself
+// (StepParams and Rule point the kernel parameters at q_pos and kv_pos when
+// called), so a move, as PrepareRing's return may make, leaves nothing
+// dangling. Copying is deleted: a setup belongs to one call, and parameters
+// handed out by one setup point into it, not into any copy of it.
 struct RingSetup {
+  RingSetup() = default;
+  RingSetup(const RingSetup&) = delete;
+  RingSetup& operator=(const RingSetup&) = delete;
+  RingSetup(RingSetup&&) = default;
+  RingSetup& operator=(RingSetup&&) = default;
+
   int rank = 0;
   int num_ranks = 1;
   kernels::AttentionDims dims;  // LOCAL sizes
   int64_t sq_global = 0, skv_global = 0;
   std::vector<int64_t> q_pos;                // global positions of the local q rows
   std::vector<std::vector<int64_t>> kv_pos;  // [source rank] global positions of its kv rows
-  kernels::FlashParams params;               // q side filled; k/v/kv_segments per step
-  std::vector<float> sinks;                  // [H] contiguous copy, empty without sinks
+  // q side filled except q_pos (null here; StepParams sets it); k, v,
+  // kv_segments and kv_pos per step.
+  kernels::FlashParams params;
+  std::vector<float> sinks;  // [H] contiguous copy, empty without sinks
   int num_threads = 1;
   std::optional<FaultSpec> fault;
 
   // The key/value slice of `source` lives in `slice` (packed per `layout`).
+  // The result points into this setup (q_pos, kv_pos): valid while it lives
+  // and is not moved.
   kernels::FlashParams StepParams(const SliceLayout& layout, void* slice, int source) const;
   kernels::RowShape Rows() const { return {dims.b, dims.sq, dims.h, dims.dv}; }
   // Which (local q row, row of `source`'s slice) pairs are allowed.

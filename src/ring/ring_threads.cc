@@ -44,10 +44,13 @@ std::vector<RankStats> RingAttentionThreads(const RingRun& run, const AttentionI
   // such rather than as "rank 0 failed: ...".
   const kernels::AttentionDims dims =
       kernels::ValidateInputsAndOptions(global, run.options.attention);
-  kernels::ValidateForwardOutputs(dims, global.q.dtype, out, lse);
+  kernels::ValidateForwardOutputs(dims, global, out, lse);
   const bool backward = dout.defined();
   if (backward) {
     kernels::ValidateBackwardArgs(dims, global, out, lse, dout, dq, dk, dv, dsinks);
+    // One call runs both passes: the forward writes out and lse (some ranks
+    // while others still read their dout shard).
+    kernels::CheckNoAliasing({{"out", out}, {"lse", lse}}, {{"dout", dout}});
   }
   const Layout layout = run.options.layout;
   LayoutPositions(layout, dims.sq, 0, n, "q sequence length");

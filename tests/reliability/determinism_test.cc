@@ -16,6 +16,8 @@
 
 #include <cstring>
 #include <string>
+#include <thread>
+#include <utility>
 #include <vector>
 
 #include "ringsplash/attention.h"
@@ -226,6 +228,85 @@ TEST(Determinism, RingRepeatedRunsAndThreadsPerRank) {
                          what + ", 2 kernel threads per rank");
     }
   }
+}
+
+// ---- Concurrent calls (attention.h, ring.h: "Concurrency") ----------------
+//
+// What the headers promise: single-device calls from several threads at
+// once, and ring calls on different communicators at once, each give
+// bitwise what it gives alone. Short problems: these also run under TSan.
+
+// Four different problems (shapes, GQA, dtypes, masks, sinks, segments) run
+// by four std::threads at once, each twice, against each run alone.
+TEST(Concurrency, SingleDeviceCallsOnDifferentData) {
+  struct Problem {
+    OwnedInputs in;
+    AttentionOptions opt;
+    Tensor dout;
+    DType out_dtype;
+    Outputs alone;
+  };
+  std::vector<Problem> problems;
+  Rng rng(99);
+  for (int i = 0; i < 4; ++i) {
+    ProblemSpec spec(1 + i % 2, 48 + 16 * i, 64, 2 * (1 + i % 2), 1 + i % 2, 16, 16 + 8 * (i % 2));
+    spec.dtype = i == 2 ? DType::kBF16 : DType::kF32;
+    spec.sinks = i % 2 == 1;
+    spec.segments = i == 3;
+    Problem p{RandomInputs(rng, spec), {}, {}, spec.dtype, {}};
+    p.opt.mask = i == 0 ? Mask::Full() : i == 1 ? Mask::Causal() : Mask::Local(20, 4);
+    p.opt.block_sizes = {16, 32};
+    p.opt.num_threads = 2;
+    p.dout = RandomTensor(rng, DType::kF32, {spec.b, spec.sq, spec.h, spec.dv});
+    p.alone = RunSingle(p.in, p.opt, p.dout, p.out_dtype);
+    problems.push_back(std::move(p));
+  }
+  std::vector<std::vector<Outputs>> together(problems.size());
+  std::vector<std::thread> threads;
+  for (size_t i = 0; i < problems.size(); ++i) {
+    threads.emplace_back([&problems, &together, i] {
+      const Problem& p = problems[i];
+      for (int repeat = 0; repeat < 2; ++repeat) {
+        together[i].push_back(RunSingle(p.in, p.opt, p.dout, p.out_dtype));
+      }
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  for (size_t i = 0; i < problems.size(); ++i) {
+    for (size_t r = 0; r < together[i].size(); ++r) {
+      ExpectBitwiseEqual(problems[i].alone, together[i][r],
+                         "problem " + std::to_string(i) + ", concurrent run " + std::to_string(r));
+    }
+  }
+}
+
+// Two threads-backend rings (each RingAttentionThreads call makes its own
+// communicators) of different sizes and layouts on different problems, at
+// once and beside a single-device call, against each run alone.
+TEST(Concurrency, RingsOnDifferentCommunicators) {
+  ProblemSpec spec(1, 48, 48, 4, 2, 16, 16);
+  spec.sinks = true;
+  spec.segments = true;
+  Rng rng(5);
+  const OwnedInputs a = RandomInputs(rng, spec);
+  const OwnedInputs b = RandomInputs(rng, spec);
+  const Tensor dout = RandomTensor(rng, DType::kF32, {spec.b, spec.sq, spec.h, spec.dv});
+  const Mask mask = Mask::Causal();
+  AttentionOptions single;
+  single.mask = mask;
+  single.num_threads = 2;
+  const Outputs a_alone = RunRing(a, mask, 2, Layout::kZigzag, 1, dout);
+  const Outputs b_alone = RunRing(b, mask, 3, Layout::kStriped, 2, dout);
+  const Outputs s_alone = RunSingle(a, single, dout, DType::kF32);
+  Outputs a_together, b_together, s_together;
+  std::thread ta([&] { a_together = RunRing(a, mask, 2, Layout::kZigzag, 1, dout); });
+  std::thread tb([&] { b_together = RunRing(b, mask, 3, Layout::kStriped, 2, dout); });
+  s_together = RunSingle(a, single, dout, DType::kF32);
+  ta.join();
+  tb.join();
+  ExpectBitwiseEqual(a_alone, a_together, "ring of 2, concurrent");
+  ExpectBitwiseEqual(b_alone, b_together, "ring of 3, concurrent");
+  ExpectBitwiseEqual(s_alone, s_together, "single device beside the rings");
 }
 
 }  // namespace

@@ -333,20 +333,25 @@ TEST(NumericsPoison, DependentForwardRowsAreNonFiniteWith16BitInputs) {
   }
 }
 
-// Sinks are parameters, not data: a non-finite sink is refused up front with
-// an Error naming sinks[h] (validate.cc) instead of poisoning a whole head.
-TEST(NumericsPoison, NonFiniteSinksAreRefused) {
+// Sinks are parameters, not data: a NaN or +inf sink is refused up front
+// with an Error naming sinks[h] (validate.cc) instead of poisoning a whole
+// head; -inf is "no sink for this head" (NumericsSinks below).
+TEST(NumericsPoison, NanAndPlusInfSinksAreRefused) {
   Rng rng(5);
   ProblemSpec spec(1, 16, 16, 2, 2, 16, 16);
   spec.sinks = true;
-  OwnedInputs in = RandomInputs(rng, spec);
-  in.sinks.data_as<float>()[1] = NAN;
-  Tensor out(DType::kF32, {1, 16, 2, 16}), lse(DType::kF32, {1, 2, 16});
-  try {
-    AttentionForward(in.inputs(), AttentionOptions{}, out.view(), lse.view());
-    ADD_FAILURE() << "a NaN sink was accepted";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("sinks[1]"), std::string::npos) << e.what();
+  for (float bad :
+       {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity()}) {
+    OwnedInputs in = RandomInputs(rng, spec);
+    in.sinks.data_as<float>()[1] = bad;
+    Tensor out(DType::kF32, {1, 16, 2, 16}), lse(DType::kF32, {1, 2, 16});
+    try {
+      AttentionForward(in.inputs(), AttentionOptions{}, out.view(), lse.view());
+      ADD_FAILURE() << "a sink of " << bad << " was accepted";
+    } catch (const Error& e) {
+      EXPECT_EQ(std::string(e.what()).rfind("sinks[1]: expected a finite value or -inf", 0), 0u)
+          << e.what();
+    }
   }
 }
 
@@ -515,6 +520,13 @@ void ExpectEmptyRowsClean(const OwnedInputs& in, const ApiResult& api, const Ref
     }
   }
   EXPECT_GT(empty_rows, 0) << what << ": the case must have empty rows";
+  // A head whose sink is -inf has no sink: exp(-inf - lse) = 0 in every
+  // term of its dsinks, exactly (also where lse is -inf: no NaN).
+  for (int64_t head = 0; ai.sinks.defined() && head < h; ++head) {
+    if (in.sinks.data_as<float>()[head] == -std::numeric_limits<float>::infinity()) {
+      EXPECT_EQ(api.dsinks[static_cast<size_t>(head)], 0.0) << what << " dsinks " << head;
+    }
+  }
   for (const std::vector<double>* v :
        {&api.out, &api.lse, &api.dq, &api.dk, &api.dv, &api.dsinks}) {
     EXPECT_FALSE(HasNaN(*v)) << what;
@@ -544,13 +556,16 @@ TEST(NumericsEmptyRows, SingleDeviceAndRing) {
     std::string name;
     Mask mask;
     bool sinks, segments;
+    bool minus_inf_sink = false;  // head 1's sink is -inf: no sink for it
   };
   const Case cases[] = {
       {"causal:-40 (first 40 rows empty)", Mask::Causal(-40), false, false},
       {"causal:-40 with sinks", Mask::Causal(-40), true, false},
+      {"causal:-40, sinks, head 1's -inf", Mask::Causal(-40), true, false, true},
       {"segments with ids no key has", Mask::Full(), false, true},
       {"everything masked", Mask::Causal(-1000), false, false},
       {"everything masked, sinks", Mask::Causal(-1000), true, false},
+      {"everything masked, sinks, head 1's -inf", Mask::Causal(-1000), true, false, true},
   };
   for (const Case& c : cases) {
     for (DType dtype : {DType::kF32, DType::kBF16, DType::kF16}) {
@@ -566,6 +581,7 @@ TEST(NumericsEmptyRows, SingleDeviceAndRing) {
       spec.sinks = c.sinks;
       Rng rng(8);
       OwnedInputs in = RandomInputs(rng, spec);
+      if (c.minus_inf_sink) in.sinks.data_as<float>()[1] = -std::numeric_limits<float>::infinity();
       if (c.segments) {
         // q ids 0..2, kv ids 1..3: q rows of document 0 have no key at all.
         in.q_seg = RandomSegments(rng, spec.b, spec.sq, 3, 0);
@@ -586,6 +602,59 @@ TEST(NumericsEmptyRows, SingleDeviceAndRing) {
         ExpectEmptyRowsClean(in, RunRingThreads(in, opt, dout, 4, layout), ref, KernelPath::kAuto,
                              what + " ring of 4 " + LayoutName(layout));
       }
+    }
+  }
+}
+
+// ---- Sinks of -inf -----------------------------------------------------
+
+// A sink of -inf is "no sink for this head" (SPEC §2.4): exp(-inf) = 0 joins
+// the denominator. So a call whose sinks are all -inf must equal the same
+// call without sinks BITWISE (out, lse, dq, dk, dv: the sink step leaves
+// such rows as they are), with dsinks exactly 0 — on every kernel path, for
+// f32 and for bf16 inputs with a bf16 out (which the kernel writes itself,
+// applying sinks row by row), single device and rings of 3 in each layout.
+// Empty rows are included (causal:-20: rows 0..19 have no key). The mixed
+// case (one finite sink, one -inf) is checked against the f64 reference by
+// NumericsEmptyRows above.
+TEST(NumericsSinks, MinusInfSinksEqualNoSinksBitwise) {
+  for (DType dtype : {DType::kF32, DType::kBF16}) {
+    ProblemSpec spec(2, 48, 48, 4, 2, 16, 8);
+    spec.dtype = dtype;
+    spec.sinks = true;
+    Rng rng(21);
+    OwnedInputs with = RandomInputs(rng, spec);
+    for (int64_t h = 0; h < spec.h; ++h) {
+      with.sinks.data_as<float>()[h] = -std::numeric_limits<float>::infinity();
+    }
+    OwnedInputs without = ConvertInputs(with, dtype);
+    without.sinks = Tensor();
+    const Tensor dout = RandomTensor(rng, dtype, OutShape(with));
+    AttentionOptions opt;
+    opt.mask = Mask::Causal(-20);
+    opt.block_sizes = {16, 16};
+    ApiRun run;
+    run.out_dtype = dtype;
+    auto expect_same = [&](const ApiResult& a, const ApiResult& b, const std::string& what) {
+      EXPECT_EQ(a.out, b.out) << what;
+      EXPECT_EQ(a.lse, b.lse) << what;
+      EXPECT_EQ(a.dq, b.dq) << what;
+      EXPECT_EQ(a.dk, b.dk) << what;
+      EXPECT_EQ(a.dv, b.dv) << what;
+      EXPECT_EQ(a.dsinks, std::vector<double>(static_cast<size_t>(spec.h), 0.0)) << what;
+      EXPECT_EQ(a.lse[0], -kInf) << what << ": row 0 has no key and no sink";
+    };
+    for (KernelPath path : SupportedKernelPaths()) {
+      opt.kernel_path = path;
+      const std::string what = std::string(DTypeName(dtype)) + " path " + KernelPathName(path);
+      expect_same(RunAttention(with, opt, &dout, run), RunAttention(without, opt, &dout, run),
+                  what);
+    }
+    opt.kernel_path = KernelPath::kAuto;
+    for (Layout layout : {Layout::kContiguous, Layout::kZigzag, Layout::kStriped}) {
+      expect_same(RunRingThreads(with, opt, dout, 3, layout),
+                  RunRingThreads(without, opt, dout, 3, layout),
+                  std::string(DTypeName(dtype)) + " ring of 3 " + LayoutName(layout));
     }
   }
 }

@@ -38,8 +38,6 @@ PoisonMap PoisonMap::Of(const AttentionInputs& in, const AttentionOptions& opt,
   m.hkv = in.k.shape[2];
   const int64_t d = in.q.shape[3], dv = in.v.shape[3];
   const std::vector<double> q = ToDoubles(in.q), k = ToDoubles(in.k), v = ToDoubles(in.v);
-  const std::vector<double> sinks =
-      in.sinks.defined() ? ToDoubles(in.sinks) : std::vector<double>{};
   const std::vector<double> qs =
       in.q_segments.defined() ? ToDoubles(in.q_segments) : std::vector<double>{};
   const std::vector<double> ks =
@@ -60,7 +58,6 @@ PoisonMap PoisonMap::Of(const AttentionInputs& in, const AttentionOptions& opt,
   for (int64_t b = 0; b < m.b; ++b) {
     for (int64_t h = 0; h < m.h; ++h) {
       const int64_t g = h / group;
-      const bool sink_bad = !sinks.empty() && !std::isfinite(sinks[static_cast<size_t>(h)]);
       for (int64_t i = 0; i < m.sq; ++i) {
         const size_t r = static_cast<size_t>((b * m.h + h) * m.sq + i);
         const bool q_bad = RowBad(q, ((b * m.sq + i) * m.h + h) * d, d);
@@ -78,7 +75,7 @@ PoisonMap PoisonMap::Of(const AttentionInputs& in, const AttentionOptions& opt,
           k_bad = k_bad || RowBad(k, ((b * m.skv + j) * m.hkv + g) * d, d);
           v_bad = v_bad || RowBad(v, ((b * m.skv + j) * m.hkv + g) * dv, dv);
         }
-        m.lse[r] = (q_bad && any_allowed) || k_bad || sink_bad;
+        m.lse[r] = (q_bad && any_allowed) || k_bad;
         m.out[r] = m.lse[r] || v_bad;
         m.dq[r] = dout && (m.out[r] || dout_bad);
         if (!dout) continue;
@@ -101,7 +98,6 @@ OwnedInputs CleanCopy(const OwnedInputs& in) {
   c.q = Cleaned(in.q.view());
   c.k = Cleaned(in.k.view());
   c.v = Cleaned(in.v.view());
-  if (in.sinks.data() != nullptr) c.sinks = Cleaned(in.sinks.view());
   return c;
 }
 

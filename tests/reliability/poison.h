@@ -6,8 +6,8 @@
 // whole (every element of the row is non-finite) by:
 //   lse[b,h,i]   q[b,i,h] non-finite and row i has an allowed key; or an
 //                allowed key row k[b,j,g] non-finite
-// (Sinks are parameters, not data: a non-finite sink is refused with an
-// Error naming sinks[h]; the map still treats one as poisoning its head.)
+// (Sinks are parameters, not data: a NaN or +inf sink is refused with an
+// Error naming sinks[h], and -inf is a valid "no sink for this head".)
 //   out[b,i,h]   lse poisoned, or an allowed value row v[b,j,g] non-finite
 //   dq[b,i,h]    out poisoned, or dout[b,i,h] non-finite        (call it PR)
 //   dk[b,j,g]    some row (b,h,i) of group g that allows j is PR
@@ -47,8 +47,8 @@ struct PoisonMap {
   int64_t count_out() const;
 };
 
-// A copy of `in` with every non-finite element of q, k, v and sinks set to 0
-// (the "anything finite" of the rule); dout likewise into *clean_dout.
+// A copy of `in` with every non-finite element of q, k and v set to 0 (the
+// "anything finite" of the rule; sinks are copied as they are).
 OwnedInputs CleanCopy(const OwnedInputs& in);
 Tensor CleanCopy(const Tensor& t);
 
