@@ -5,6 +5,7 @@
 #include <cstring>
 #include <filesystem>
 #include <iterator>
+#include <limits>
 #include <system_error>
 #include <utility>
 
@@ -217,8 +218,9 @@ AttendFiles OpenInputs(const AttendArgs& args, const AttendPlan& plan) {
     const Tensor sinks = f.sinks.Load(DType::kF32, "sinks");
     for (int64_t h = 0; h < d.h; ++h) {
       const float s = sinks.data_as<float>()[h];
-      Check(std::isfinite(s), args.sinks, ": sinks[", h, "] is ", s,
-            "; sink logits must be finite");
+      // -inf: no sink for that head (the library's rule, attention.h).
+      Check(!std::isnan(s) && s != std::numeric_limits<float>::infinity(), args.sinks, ": sinks[",
+            h, "] is ", s, "; sink logits must be finite or -inf (no sink)");
     }
   }
   f.q_segments = OpenIf(args.q_segments);

@@ -156,7 +156,7 @@ std::vector<BadCase> Cases() {
        Attend({"--sinks", "@sinks.npy"}), 1, "sinks.npy: dim 0 (H) is 5"},
       {"sinks_nan", [](const Files& f) { f.F32("sinks.npy", {4}, NAN); },
        Attend({"--sinks", "@sinks.npy", "--ranks", "2"}), 1,
-       "sinks.npy: sinks[3] is nan; sink logits must be finite"},
+       "sinks.npy: sinks[3] is nan; sink logits must be finite or -inf (no sink)"},
       {"segments_float",
        [](const Files& f) {
          f.F32("qs.npy", {1, 16});
