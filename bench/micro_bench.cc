@@ -26,11 +26,11 @@
 #include "ringsplash/attention.h"
 #include "ringsplash/mask.h"
 #include "ringsplash/tensor.h"
-#include "src/kernels/cpu_features.h"
-#include "src/kernels/flash.h"
-#include "src/kernels/micro.h"
+#include "src/kernels/flash/flash.h"
+#include "src/kernels/micro/cpu_features.h"
+#include "src/kernels/micro/micro.h"
 #include "src/kernels/thread_pool.h"
-#include "src/kernels/tile_pack.h"
+#include "src/kernels/tiling/pack.h"
 
 namespace ringsplash::bench {
 namespace {

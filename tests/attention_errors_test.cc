@@ -22,7 +22,7 @@
 #include "ringsplash/comm.h"
 #include "ringsplash/error.h"
 #include "ringsplash/ring.h"
-#include "src/kernels/cpu_features.h"
+#include "src/kernels/micro/cpu_features.h"
 #include "src/kernels/validate.h"
 #include "tests/support/test_util.h"
 

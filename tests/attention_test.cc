@@ -365,7 +365,7 @@ TEST(OutputViewsTest, StridedAndConvertedOutputsEqualContiguousF32) {
 // a NaN input too (the call is then redone in f32 and poisoned, as for f32
 // outputs).
 TEST(OutputViewsTest, DirectBf16OutEqualsRoundedF32Out) {
-  // decoding: 3 query rows per head (stacked heads, flash_stacked.h) over
+  // decoding: 3 query rows per head (stacked heads, decode/stacked_heads.h) over
   // 600 keys (split over ranges of kv tiles, ForwardKvSplits).
   for (const bool decoding : {false, true}) {
     for (const bool sinks : {false, true}) {

@@ -18,13 +18,13 @@
 #include "ringsplash/attention.h"
 #include "ringsplash/error.h"
 #include "src/kernels/combine.h"
-#include "src/kernels/cpu_features.h"
-#include "src/kernels/flash.h"
-#include "src/kernels/flash_common.h"
-#include "src/kernels/flash_merge.h"
-#include "src/kernels/flash_stacked.h"
-#include "src/kernels/micro.h"
+#include "src/kernels/decode/stacked_heads.h"
+#include "src/kernels/flash/flash.h"
+#include "src/kernels/flash/merge.h"
+#include "src/kernels/micro/cpu_features.h"
+#include "src/kernels/micro/micro.h"
 #include "src/kernels/thread_pool.h"
+#include "src/kernels/tiling/tiles.h"
 #include "tests/support/accuracy.h"
 #include "tests/support/flash_problem.h"
 #include "tests/support/reference.h"
@@ -501,7 +501,7 @@ TEST(FlashTest, Bf16OutEqualsRoundedF32OutAndReportsOverflow) {
   for (KernelPath path : SupportedKernelPaths()) {
     for (DType dtype : {DType::kF32, DType::kBF16}) {
       for (const bool bhsd : {false, true}) {
-        // Sq = 7: stacked query heads (flash_stacked.h), sinks by head too.
+        // Sq = 7: stacked query heads (decode/stacked_heads.h), sinks by head too.
         for (const int64_t sq : {37, 7}) {
           ProblemSpec spec(2, sq, 53, 4, 2, 32, 24);
           spec.dtype = dtype;

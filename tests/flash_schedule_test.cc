@@ -15,12 +15,13 @@
 
 #include "ringsplash/attention.h"
 #include "src/kernels/combine.h"
-#include "src/kernels/flash.h"
-#include "src/kernels/flash_common.h"
-#include "src/kernels/flash_merge.h"
-#include "src/kernels/flash_stacked.h"
-#include "src/kernels/micro.h"
+#include "src/kernels/decode/stacked_heads.h"
+#include "src/kernels/flash/flash.h"
+#include "src/kernels/flash/merge.h"
+#include "src/kernels/flash/schedule.h"
+#include "src/kernels/micro/micro.h"
 #include "src/kernels/thread_pool.h"
+#include "src/kernels/tiling/tiles.h"
 #include "tests/support/accuracy.h"
 #include "tests/support/flash_problem.h"
 #include "tests/support/reference.h"
@@ -170,7 +171,7 @@ TEST(FlashTest, BackwardHeadPartsMatchReferenceOnAnyThreadCount) {
 }
 
 // The one-pass backward computes a group of up to four kv tiles per pass
-// over the q tiles (kKvGroup in flash_backward.cc), walking the tiles' runs
+// over the q tiles (kKvGroup in flash/backward.cc), walking the tiles' runs
 // of q blocks together; the two-pass schedule takes one kv tile at a time.
 // 11 kv tiles of 16 keys (groups of 4, 4 and 3) under masks whose runs start,
 // end and break at different q blocks for each tile of a group: gradients
@@ -227,7 +228,7 @@ TEST(FlashTest, BackwardKvGroupsMatchOneTileAtATime) {
 
 // Short query blocks with GQA / MQA (decoding, speculative and chunked
 // steps) stack the query heads of each kv group into rows of one q block
-// (flash_stacked.h). Against the reference: decode steps at the end of the
+// (decode/stacked_heads.h). Against the reference: decode steps at the end of the
 // keys (a single query — stacked only on paths without a decoding kernel,
 // UseDecodeStep — and 5 and 8), causal, windowed and chunked masks,
 // packed documents, every path and dtype; and bitwise the same on 1 to 3
@@ -327,7 +328,7 @@ TEST(FlashTest, StackedHeadsOnlyWhereTheyApply) {
 }
 
 // The geometry of the problem FlashForward runs for p: the stacked one
-// where stacking applies (flash_stacked.h).
+// where stacking applies (decode/stacked_heads.h).
 kernels::Geometry ForwardGeometry(const FlashParams& p) {
   if (!kernels::StackedHeads::Applies(p)) return kernels::Geometry::Of(p);
   ThreadPool pool(1);

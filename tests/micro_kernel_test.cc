@@ -1,4 +1,4 @@
-// Tests of the micro-kernels (src/kernels/micro.h) on every supported
+// Tests of the micro-kernels (src/kernels/micro/micro.h) on every supported
 // KernelPath: each one against plain double-precision loops over the same
 // inputs, with tolerances derived from f32 rounding in the comments.
 #include <gtest/gtest.h>
@@ -13,8 +13,8 @@
 
 #include "ringsplash/attention.h"
 #include "ringsplash/tensor.h"
-#include "src/kernels/cpu_features.h"
-#include "src/kernels/micro.h"
+#include "src/kernels/micro/cpu_features.h"
+#include "src/kernels/micro/micro.h"
 #include "tests/support/test_util.h"
 
 namespace ringsplash {

@@ -1,4 +1,4 @@
-// TileMask (src/kernels/flash_common.h) keeps the last masks it built under
+// TileMask (src/kernels/tiling/tiles.h) keeps the last masks it built under
 // their mask::TileShapeKey and hands them out again for tiles with the same
 // key. These tests build every partial tile of several maps twice — through
 // one long-lived TileMask (reusing) and through a fresh TileMask per tile
@@ -15,9 +15,9 @@
 
 #include "ringsplash/mask.h"
 #include "ringsplash/tensor.h"
-#include "src/kernels/flash.h"
-#include "src/kernels/flash_common.h"
-#include "src/kernels/micro.h"
+#include "src/kernels/flash/flash.h"
+#include "src/kernels/micro/micro.h"
+#include "src/kernels/tiling/tiles.h"
 
 namespace ringsplash {
 namespace {

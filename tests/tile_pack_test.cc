@@ -1,4 +1,4 @@
-// PackTransposedPairsBf16 (src/kernels/flash_common.h): the bf16 forward's
+// PackTransposedPairsBf16 (src/kernels/tiling/tiles.h): the bf16 forward's
 // Q^T as bf16 pairs, through the micro-kernels' 32-bit transpose where the
 // rows allow it (bf16, unit inner stride, even C, 4-byte aligned rows) and
 // through the element loop otherwise. Both against the layout written out
@@ -17,8 +17,8 @@
 
 #include "ringsplash/attention.h"
 #include "ringsplash/tensor.h"
-#include "src/kernels/flash_common.h"
-#include "src/kernels/micro.h"
+#include "src/kernels/micro/micro.h"
+#include "src/kernels/tiling/tiles.h"
 
 namespace ringsplash {
 namespace {
@@ -84,7 +84,7 @@ TEST(TilePackTest, TransposedPairsMatchTheLayoutOnEveryRoad) {
             if (r < rows && c < vc.c) {
               const uint16_t stored =
                   static_cast<const uint16_t*>(t.data)[t.Offset(1, r0 + r, 2, c)];
-              // Other dtypes are rounded to bf16 on the way (tile_pack.h).
+              // Other dtypes are rounded to bf16 on the way (tiling/pack.h).
               want = vc.dtype == DType::kBF16 ? stored : F32ToBF16(F16ToF32(stored));
             }
           }

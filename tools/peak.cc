@@ -14,7 +14,7 @@
 #endif
 
 #include "ringsplash/attention.h"
-#include "src/kernels/cpu_features.h"
+#include "src/kernels/micro/cpu_features.h"
 
 namespace ringsplash::cli {
 namespace {

@@ -5,7 +5,7 @@
 
 #include <cstdint>
 
-#include "src/kernels/micro_amx.h"
+#include "src/kernels/micro/tile_config_amx.h"
 #include "tools/peak.h"
 
 namespace ringsplash::cli::peak_detail {

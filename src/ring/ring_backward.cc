@@ -34,7 +34,7 @@
 #include "ringsplash/error.h"
 #include "ringsplash/ring.h"
 #include "src/kernels/combine.h"
-#include "src/kernels/flash.h"
+#include "src/kernels/flash/flash.h"
 #include "src/kernels/poison.h"
 #include "src/kernels/thread_pool.h"
 #include "src/ring/ring_internal.h"

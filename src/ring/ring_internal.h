@@ -16,7 +16,7 @@
 #include "ringsplash/ring.h"
 #include "ringsplash/tensor.h"
 #include "src/kernels/combine.h"
-#include "src/kernels/flash.h"
+#include "src/kernels/flash/flash.h"
 #include "src/kernels/poison.h"
 #include "src/kernels/validate.h"
 

@@ -14,7 +14,7 @@
 
 #include "ringsplash/attention.h"
 #include "ringsplash/tensor.h"
-#include "src/kernels/flash.h"
+#include "src/kernels/flash/flash.h"
 #include "src/kernels/thread_pool.h"
 #include "tests/support/reference.h"
 #include "tests/support/test_util.h"
@@ -62,7 +62,7 @@ class Problem {
     scale_ = 1.0f / std::sqrt(static_cast<float>(spec.d));
     // dout in the inputs' dtype: with bf16 q, k, v and dout the avx512_bf16
     // and amx paths run all five of the backward's products on bf16 operands
-    // (flash_backward.cc).
+    // (flash/backward.cc).
     dout_ = RandomTensor(rng_, spec.dtype, {spec.b, spec.sq, spec.h, spec.dv});
   }
 

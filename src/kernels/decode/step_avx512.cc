@@ -1,0 +1,244 @@
+// The decoding step for AVX-512 (micro.h DecodeStepFn): a few query rows
+// per head, K and V rows read in place, 16 keys at a time.
+//
+// Why its own kernel: a decoding step is bound by reading K and V once (0.5
+// FLOP per byte and query row), and the tile loop spends most of it
+// elsewhere — it copies each head's strided rows into a per-thread tile (one
+// more write and read of every byte) and its transposed score tile fills 1
+// of 16 query lanes per row. Here the 16 scores of a chunk are 16 dot
+// products over D (reduced by one 16 x 16 transpose), the softmax step is
+// exact per chunk (16 lanes: no lazy rescaling needed), and P V adds 16 rows
+// into acc in registers; every row's part of a chunk is done before the next
+// chunk, so the K (then V) rows of a token for all the heads of a work item
+// — adjacent in [B, S, H, D] tensors — are read as one stretch of memory.
+// Entries sharing K/V rows (rows of one head, heads of one kv head) load
+// each vector once for up to kMaxDecodeShare of them.
+// GCC 12's AVX-512 intrinsic headers initialise "undefined" operands from
+// themselves, which -W(maybe-)uninitialized reports at every inlined use (GCC
+// bug 105593, fixed in later releases); the warning is meaningless here.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#endif
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+
+#include "src/kernels/decode/step_loop.h"
+#include "src/kernels/micro/blocking.h"
+#include "src/kernels/micro/common_avx512.h"
+#include "src/kernels/micro/fused_avx512.h"
+#include "src/kernels/micro/math_avx512.h"
+#include "src/kernels/micro/micro.h"
+
+namespace ringsplash::kernels::micro::avx512 {
+namespace {
+
+// Lanes `live` of 16 consecutive elements of a row as f32 (bf16 widened,
+// exactly); the other lanes are 0 and not read.
+template <typename T>
+RINGSPLASH_INLINE __m512 Load16(const T* src, __mmask16 live) {
+  if constexpr (std::is_same_v<T, float>) {
+    return _mm512_maskz_loadu_ps(live, src);
+  } else {
+    const __m256i h = _mm256_maskz_loadu_epi16(live, src);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+}
+
+constexpr int kMaxShare = static_cast<int>(kMaxDecodeShare);  // entries done together
+
+// Heads sharing rows (G >= 2) do G times the arithmetic per byte, which
+// leaves the out-of-order window too few loads in flight to cover memory
+// latency: each K and V row of the next chunk is requested while its row of
+// this chunk is used (16 keys ahead, one 64-byte line per request): GQA
+// steps ran 1.3-1.6x faster. One head per row (MHA) keeps enough loads in
+// flight by itself; the requests only cost it a little, so it makes none
+// (docs/PERFORMANCE.md, decoding kernel).
+constexpr int64_t kPrefetchKeys = 16;
+
+// Requests `bytes` bytes from `ahead` bytes past row into L1. The address
+// may lie past the tensor's end (the last chunk): prefetches never fault, and
+// it is formed as an integer, not by pointer arithmetic out of the object.
+template <typename T>
+RINGSPLASH_INLINE void PrefetchRow(const T* row, int64_t ahead, int64_t bytes) {
+  const uintptr_t at = reinterpret_cast<uintptr_t>(row) + static_cast<uintptr_t>(ahead);
+  for (int64_t o = 0; o < bytes; o += 64) {
+    _mm_prefetch(reinterpret_cast<const char*>(at + static_cast<uintptr_t>(o)), _MM_HINT_T0);
+  }
+}
+
+// Scores of G entries sharing K rows: lane j < rows of x[i] = q_i . k_j
+// (k_j = k + j * ldk, d elements), lanes >= rows 0. Tokens go in groups of
+// kTokens, each K vector loaded (and widened) once for the G entries and
+// each q vector once for the group's tokens — G * kTokens accumulators, one
+// load per FMA or fewer — and the per-token partial sums go through `part`
+// [G][16][16] and one 16 x 16 transpose per entry.
+template <int G, typename T>
+RINGSPLASH_INLINE void Dots(const DecodeHead* h, const T* k, int64_t ldk, int64_t d, int rows,
+                            float* part, __m512 (&x)[G]) {
+  constexpr int kTokens = G <= 2 ? 8 : (G <= 4 ? 4 : 2);  // divides 16
+  for (int j0 = 0; j0 < rows; j0 += kTokens) {
+    const T* row[kTokens];
+    __mmask16 present[kTokens];  // tokens past `rows` are not read
+    RINGSPLASH_UNROLL
+    for (int t = 0; t < kTokens; ++t) {
+      row[t] = k + std::min(j0 + t, rows - 1) * ldk;
+      present[t] = j0 + t < rows ? static_cast<__mmask16>(0xffff) : 0;
+      if constexpr (G >= 2) {
+        if (j0 + t < rows) PrefetchRow(row[t], kPrefetchKeys * ldk * sizeof(T), d * sizeof(T));
+      }
+    }
+    __m512 acc[G][kTokens];
+    RINGSPLASH_UNROLL
+    for (int i = 0; i < G; ++i) {
+      RINGSPLASH_UNROLL
+      for (int t = 0; t < kTokens; ++t) acc[i][t] = _mm512_setzero_ps();
+    }
+    for (int64_t c = 0; c < d; c += 16) {
+      const __mmask16 live = LaneMask(d - c);
+      __m512 kv[kTokens];
+      RINGSPLASH_UNROLL
+      for (int t = 0; t < kTokens; ++t) kv[t] = Load16(row[t] + c, live & present[t]);
+      RINGSPLASH_UNROLL
+      for (int i = 0; i < G; ++i) {
+        const __m512 qv = _mm512_maskz_loadu_ps(live, h[i].q + c);
+        RINGSPLASH_UNROLL
+        for (int t = 0; t < kTokens; ++t) acc[i][t] = _mm512_fmadd_ps(qv, kv[t], acc[i][t]);
+      }
+    }
+    RINGSPLASH_UNROLL
+    for (int i = 0; i < G; ++i) {
+      RINGSPLASH_UNROLL
+      for (int t = 0; t < kTokens; ++t) {
+        _mm512_store_ps(part + (i * 16 + j0 + t) * 16, acc[i][t]);
+      }
+    }
+  }
+  RINGSPLASH_UNROLL
+  for (int i = 0; i < G; ++i) {
+    __m512 r[16];
+    RINGSPLASH_UNROLL
+    for (int j = 0; j < 16; ++j) {
+      r[j] = j < rows ? _mm512_load_ps(part + (i * 16 + j) * 16) : _mm512_setzero_ps();
+    }
+    Transpose16(r);  // r[c] lane j = lane c of token j's partial sums
+    RINGSPLASH_UNROLL
+    for (int s = 8; s >= 1; s /= 2) {
+      RINGSPLASH_UNROLL
+      for (int c = 0; c < s; ++c) r[c] = _mm512_add_ps(r[c], r[c + s]);
+    }
+    x[i] = r[0];
+  }
+}
+
+// acc_i[0, dv) = alpha_i acc_i + sum_{j < rows} p[i][j] v_j for the G heads
+// sharing V rows, NV vectors of columns at a time held in registers over the
+// rows (each V vector loaded and widened once for the G heads).
+template <int G, typename T>
+RINGSPLASH_INLINE void AddRows(const DecodeHead* h, const float (&p)[kMaxShare][16],
+                               const float (&alpha)[kMaxShare], const T* v, int64_t ldv, int64_t dv,
+                               int rows) {
+  constexpr int NV = G <= 4 ? 4 : 2;
+  for (int64_t c0 = 0; c0 < dv; c0 += 16 * NV) {
+    __m512 a[G][NV];
+    __mmask16 live[NV];
+    RINGSPLASH_UNROLL
+    for (int u = 0; u < NV; ++u) {
+      const int64_t c = c0 + 16 * u;
+      live[u] = c < dv ? LaneMask(dv - c) : 0;
+    }
+    RINGSPLASH_UNROLL
+    for (int i = 0; i < G; ++i) {
+      const __m512 va = _mm512_set1_ps(alpha[i]);
+      RINGSPLASH_UNROLL
+      for (int u = 0; u < NV; ++u) {
+        a[i][u] = _mm512_mul_ps(_mm512_maskz_loadu_ps(live[u], h[i].acc + c0 + 16 * u), va);
+      }
+    }
+    for (int j = 0; j < rows; ++j) {
+      const T* row = v + j * ldv + c0;
+      if constexpr (G >= 2) {
+        if (c0 == 0) PrefetchRow(row, kPrefetchKeys * ldv * sizeof(T), dv * sizeof(T));
+      }
+      __m512 vv[NV];
+      RINGSPLASH_UNROLL
+      for (int u = 0; u < NV; ++u) vv[u] = Load16(row + 16 * u, live[u]);
+      RINGSPLASH_UNROLL
+      for (int i = 0; i < G; ++i) {
+        const __m512 pj = _mm512_set1_ps(p[i][j]);
+        RINGSPLASH_UNROLL
+        for (int u = 0; u < NV; ++u) a[i][u] = _mm512_fmadd_ps(pj, vv[u], a[i][u]);
+      }
+    }
+    RINGSPLASH_UNROLL
+    for (int i = 0; i < G; ++i) {
+      RINGSPLASH_UNROLL
+      for (int u = 0; u < NV; ++u) {
+        _mm512_mask_storeu_ps(h[i].acc + c0 + 16 * u, live[u], a[i][u]);
+      }
+    }
+  }
+}
+
+// One chunk (keys [j0, j0 + rows)) of G heads sharing their K and V rows;
+// returns whether a logit was not finite.
+template <int G, typename T, bool kCapped>
+bool Chunk(const DecodeArgs& a, const DecodeHead* h, int64_t j0, int rows) {
+  const T* k = static_cast<const T*>(h[0].k) + j0 * a.ldk;
+  const T* v = static_cast<const T*>(h[0].v) + j0 * a.ldv;
+  const __mmask16 live = LaneMask(rows);
+  alignas(64) float part[G * 16 * 16];
+  __m512 x[G];
+  Dots<G>(h, k, a.ldk, a.d, rows, part, x);
+  alignas(64) float p[kMaxShare][16];
+  float alpha[kMaxShare];
+  bool bad = false;
+  for (int i = 0; i < G; ++i) {
+    // |q . k| reaches the infinity pattern iff it is a NaN or an infinity:
+    // checked before the soft cap, whose tanh maps +-inf and NaN to +-1.
+    const __m512i bits = _mm512_and_si512(_mm512_castps_si512(x[i]), _mm512_set1_epi32(0x7fffffff));
+    bad |= _mm512_mask_cmpge_epi32_mask(live, bits, _mm512_set1_epi32(0x7f800000)) != 0;
+    __m512 xi = _mm512_mul_ps(x[i], _mm512_set1_ps(a.scale));
+    if constexpr (kCapped) {
+      xi = _mm512_mul_ps(_mm512_set1_ps(a.softcap),
+                         Tanh512(_mm512_mul_ps(xi, _mm512_set1_ps(1.0f / a.softcap))));
+    }
+    const __mmask16 allowed =
+        h[i].allowed == nullptr ? live : static_cast<__mmask16>(live & h[i].allowed[j0 / 16]);
+    xi = _mm512_mask_mov_ps(_mm512_set1_ps(kNegInf), allowed, xi);
+    const float m_old = *h[i].row_max;
+    const float m_new = std::max(m_old, _mm512_reduce_max_ps(xi));
+    const float shift = m_new == kNegInf ? 0.0f : m_new;
+    // Exp512 gives exactly 0 for -inf (and anything below -86).
+    const __m512 pi =
+        _mm512_maskz_mov_ps(allowed, Exp512(_mm512_sub_ps(xi, _mm512_set1_ps(shift))));
+    alpha[i] = std::exp(m_old - shift);
+    *h[i].row_sum = alpha[i] * *h[i].row_sum + _mm512_reduce_add_ps(pi);
+    *h[i].row_max = m_new;
+    _mm512_store_ps(p[i], pi);
+  }
+  AddRows<G>(h, p, alpha, v, a.ldv, a.dv, rows);
+  return bad;
+}
+
+template <typename T, bool kCapped>
+bool Step(const DecodeArgs& a) {
+  return ForEachChunk<16>(
+      a, [&a](auto g, const DecodeHead* h, int64_t j0, int rows) RINGSPLASH_INLINE_LAMBDA {
+        return Chunk<decltype(g)::value, T, kCapped>(a, h, j0, rows);
+      });
+}
+
+}  // namespace
+
+bool DecodeStep(const DecodeArgs& a) {
+  const bool capped = a.softcap > 0.0f;
+  if (a.bf16) return capped ? Step<uint16_t, true>(a) : Step<uint16_t, false>(a);
+  return capped ? Step<float, true>(a) : Step<float, false>(a);
+}
+
+}  // namespace ringsplash::kernels::micro::avx512

@@ -1,0 +1,74 @@
+// The loop both decoding steps share (micro.h DecodeStepFn: step_avx2.cc,
+// step_avx512.cc): keys in chunks of kKeys (a vector of lanes), and within a
+// chunk the entries in runs that read the same K and V rows (one kv head),
+// up to kMaxDecodeShare at a time, each run handed to the step's Chunk as a
+// compile-time G (so its loads of a row serve all G entries from registers).
+// No intrinsics: includable from either step's translation unit. The chunk
+// is a lambda of the including file's unnamed namespace, so every
+// instantiation is private to that file and its instruction set.
+#ifndef RINGSPLASH_KERNELS_DECODE_STEP_LOOP_H_
+#define RINGSPLASH_KERNELS_DECODE_STEP_LOOP_H_
+
+#include <algorithm>
+#include <cstdint>
+#include <type_traits>
+
+#include "src/kernels/micro/blocking.h"
+#include "src/kernels/micro/micro.h"
+
+namespace ringsplash::kernels::micro {
+
+// For every chunk of keys [j0, j0 + rows) (rows <= kKeys) and every run of
+// G entries from a.head + i that share their rows, ORs into the result
+// chunk(std::integral_constant<int, G>, a.head + i, j0, rows): whether a
+// logit of the run was not finite.
+template <int kKeys, typename ChunkFn>
+RINGSPLASH_INLINE bool ForEachChunk(const DecodeArgs& a, const ChunkFn& chunk) {
+  constexpr int kMaxShare = static_cast<int>(kMaxDecodeShare);  // entries done together
+  static_assert(kMaxShare == 8, "ForEachChunk dispatches runs of 1 to 8 entries");
+  bool bad = false;
+  for (int64_t j0 = 0; j0 < a.keys; j0 += kKeys) {
+    const int rows = static_cast<int>(std::min<int64_t>(kKeys, a.keys - j0));
+    for (int64_t i = 0; i < a.heads;) {
+      // The run of entries from i that read the same rows (one kv head).
+      int g = 1;
+      while (g < kMaxShare && i + g < a.heads && a.head[i + g].k == a.head[i].k &&
+             a.head[i + g].v == a.head[i].v) {
+        ++g;
+      }
+      const DecodeHead* h = a.head + i;
+      switch (g) {
+        case 1:
+          bad |= chunk(std::integral_constant<int, 1>{}, h, j0, rows);
+          break;
+        case 2:
+          bad |= chunk(std::integral_constant<int, 2>{}, h, j0, rows);
+          break;
+        case 3:
+          bad |= chunk(std::integral_constant<int, 3>{}, h, j0, rows);
+          break;
+        case 4:
+          bad |= chunk(std::integral_constant<int, 4>{}, h, j0, rows);
+          break;
+        case 5:
+          bad |= chunk(std::integral_constant<int, 5>{}, h, j0, rows);
+          break;
+        case 6:
+          bad |= chunk(std::integral_constant<int, 6>{}, h, j0, rows);
+          break;
+        case 7:
+          bad |= chunk(std::integral_constant<int, 7>{}, h, j0, rows);
+          break;
+        case 8:
+          bad |= chunk(std::integral_constant<int, 8>{}, h, j0, rows);
+          break;
+      }
+      i += g;
+    }
+  }
+  return bad;
+}
+
+}  // namespace ringsplash::kernels::micro
+
+#endif  // RINGSPLASH_KERNELS_DECODE_STEP_LOOP_H_

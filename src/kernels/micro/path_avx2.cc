@@ -1,0 +1,468 @@
+// AVX2 + FMA micro-kernel table (compiled with -mavx2 -mfma -mf16c; used only
+// after runtime detection, see cpu_features.h): for x86-64 CPUs without
+// AVX-512 (AMD Zen 1-3, Intel client cores), which the portable loops would
+// leave at a small fraction of their FMA peak.
+//
+// f32 GEMM: a register block is MR = 6 rows x 16 columns in 12 ymm
+// accumulators (two 8-lane halves of a kVec-wide column strip); per step p
+// the strip's two B vectors are loaded once and each A(i, p) is broadcast:
+// 12 FMAs per 2 loads + 6 broadcasts, 15 of the 16 ymm registers.
+// Tiles (micro.h, transposed layout): S^T = K Q^T by that GEMM, then the
+// softmax work in passes over each 8-query strip while it sits in L1. After
+// a query's first tile the forward takes the lazy step of micro.h (exps
+// against the reference max fused into the products, one pass, no max),
+// as the AVX-512 path does; the exact step is the fallback.
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+
+#include "src/kernels/micro/blocking.h"
+#include "src/kernels/micro/math_avx2.h"
+#include "src/kernels/micro/micro.h"
+
+namespace ringsplash::kernels::micro {
+namespace avx2 {
+namespace {
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+constexpr int kRows = 6;  // MR of the GEMM's register blocks
+
+// acc += A[MR x k] B[k x 16] for the 16-column strip at b.
+template <int MR, ALayout L>
+RINGSPLASH_INLINE void MultiplyBlock(int64_t k, const float* a, int64_t a_rs, int64_t a_cs,
+                                     const float* b, int64_t ldb, __m256 (&acc)[MR][2]) {
+  const float* ap[MR];
+  RINGSPLASH_UNROLL
+  for (int i = 0; i < MR; ++i) ap[i] = a + i * a_rs;
+  for (int64_t p = 0; p < k; ++p) {
+    const __m256 b0 = _mm256_loadu_ps(b + p * ldb);
+    const __m256 b1 = _mm256_loadu_ps(b + p * ldb + 8);
+    RINGSPLASH_UNROLL
+    for (int i = 0; i < MR; ++i) {
+      const float* aip = L == ALayout::kRowMajor   ? ap[i] + p
+                         : L == ALayout::kColMajor ? a + p * a_cs + i
+                                                   : ap[i] + p * a_cs;
+      const __m256 av = _mm256_broadcast_ss(aip);
+      acc[i][0] = _mm256_fmadd_ps(av, b0, acc[i][0]);
+      acc[i][1] = _mm256_fmadd_ps(av, b1, acc[i][1]);
+    }
+  }
+}
+
+// GemmF32RangesFn for one layout of A.
+template <ALayout L>
+void GemmLayout(int64_t m, int64_t n, int64_t k, const float* a, int64_t a_rs, int64_t a_cs,
+                const float* b, int64_t ldb, float* c, int64_t ldc, const float* row_scale,
+                bool accumulate, KRanges ranges) {
+  // One 16-column strip of B at a time (k x 64 bytes: 8 KiB for k = 128)
+  // stays in L1 while the row blocks stream A.
+  for (int64_t j = 0; j < n; j += kVec) {
+    ForEachRowBlock<kRows>(m, [&](int64_t i0, auto rows) {
+      constexpr int R = decltype(rows)::value;
+      __m256 acc[R][2];
+      float* cb = c + i0 * ldc + j;
+      RINGSPLASH_UNROLL
+      for (int i = 0; i < R; ++i) {
+        if (accumulate) {
+          const __m256 r = _mm256_set1_ps(row_scale != nullptr ? row_scale[i0 + i] : 1.0f);
+          acc[i][0] = _mm256_mul_ps(_mm256_loadu_ps(cb + i * ldc), r);
+          acc[i][1] = _mm256_mul_ps(_mm256_loadu_ps(cb + i * ldc + 8), r);
+        } else {
+          acc[i][0] = _mm256_setzero_ps();
+          acc[i][1] = _mm256_setzero_ps();
+        }
+      }
+      int64_t lo, hi;
+      BlockRange(ranges, i0, R, k, &lo, &hi);
+      MultiplyBlock<R, L>(hi - lo, a + i0 * a_rs + lo * a_cs, a_rs, a_cs, b + lo * ldb + j, ldb,
+                          acc);
+      RINGSPLASH_UNROLL
+      for (int i = 0; i < R; ++i) {
+        _mm256_storeu_ps(cb + i * ldc, acc[i][0]);
+        _mm256_storeu_ps(cb + i * ldc + 8, acc[i][1]);
+      }
+    });
+  }
+}
+
+void GemmF32Ranges(int64_t m, int64_t n, int64_t k, const float* a, int64_t a_rs, int64_t a_cs,
+                   const float* b, int64_t ldb, float* c, int64_t ldc, const float* row_scale,
+                   bool accumulate, KRanges ranges) {
+  WithLayout(a_rs, a_cs, [&](auto layout) {
+    GemmLayout<decltype(layout)::value>(m, n, k, a, a_rs, a_cs, b, ldb, c, ldc, row_scale,
+                                        accumulate, ranges);
+  });
+}
+
+void GemmF32(int64_t m, int64_t n, int64_t k, const float* a, int64_t a_rs, int64_t a_cs,
+             const float* b, int64_t ldb, float* c, int64_t ldc, const float* row_scale,
+             bool accumulate) {
+  GemmF32Ranges(m, n, k, a, a_rs, a_cs, b, ldb, c, ldc, row_scale, accumulate, KRanges());
+}
+
+// Lanes l < count of 8 as all-ones (count clamped to [0, 8]).
+inline __m256i FirstLanes(int64_t count) {
+  const int32_t c = static_cast<int32_t>(count < 0 ? 0 : count > 8 ? 8 : count);
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(c), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+// Allowed lanes of key j for the 8 queries from i0 (a multiple of 8), all-ones
+// where allowed: the byte of the mask word that holds them, one bit per lane.
+inline __m256 Allowed8(const TileArgs& t, int64_t j, int64_t i0) {
+  const uint32_t bits = (t.mask[j * t.ldm + i0 / kVec] >> (i0 % kVec)) & 0xFFu;
+  const __m256i lane_bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+  const __m256i hit = _mm256_and_si256(_mm256_set1_epi32(static_cast<int32_t>(bits)), lane_bit);
+  return _mm256_castsi256_ps(_mm256_cmpeq_epi32(hit, lane_bit));
+}
+
+// Logit of a raw product: x = s * scale, then softcap * tanh(x / softcap)
+// with a cap (the same operations, in the same order, as the portable loops);
+// *th receives the tanh (the backward's derivative needs it).
+struct LogitOp {
+  __m256 scale, cap, inv_cap;
+  bool capped;
+  explicit LogitOp(const TileArgs& t)
+      : scale(_mm256_set1_ps(t.scale)),
+        cap(_mm256_set1_ps(t.softcap)),
+        inv_cap(_mm256_set1_ps(t.softcap > 0.0f ? 1.0f / t.softcap : 0.0f)),
+        capped(t.softcap > 0.0f) {}
+  RINGSPLASH_INLINE __m256 operator()(__m256 s, __m256* th) const {
+    const __m256 x = _mm256_mul_ps(s, scale);
+    if (!capped) return x;
+    *th = Tanh256(_mm256_mul_ps(x, inv_cap));
+    return _mm256_mul_ps(cap, *th);
+  }
+};
+
+// Base-2 exponent of a raw product against a shift2 = m * log2 e, for the
+// lazy step: x * log2 e - shift2 in one FMA (the logit's scale folded into
+// c2) without a cap; with one, cap * log2 e * tanh(s * scale / cap) - shift2.
+struct ExponentOp {
+  __m256 c2, in, out;
+  bool capped;
+  explicit ExponentOp(const TileArgs& t)
+      : c2(_mm256_set1_ps(t.scale * poly::kLog2e)),
+        in(_mm256_set1_ps(t.softcap > 0.0f ? t.scale / t.softcap : 0.0f)),
+        out(_mm256_set1_ps(t.softcap * poly::kLog2e)),
+        capped(t.softcap > 0.0f) {}
+  RINGSPLASH_INLINE __m256 operator()(__m256 s, __m256 shift2) const {
+    if (!capped) return _mm256_fmsub_ps(s, c2, shift2);
+    return _mm256_fmsub_ps(Tanh256(_mm256_mul_ps(s, in)), out, shift2);
+  }
+};
+
+// The exact online-softmax step (SoftmaxColumnsFn) of the 8-query strip at
+// i0: first pass logits (-inf where masked) and their max, second pass
+// P^T = exp(x - shift) and the lane sums, then the state of the live lanes.
+void SoftmaxStrip(const TileArgs& t, const LogitOp& logit, int64_t i0, float* row_max,
+                  float* row_sum, float* alpha) {
+  const __m256 neg_inf = _mm256_set1_ps(kNegInf);
+  __m256 vmax = neg_inf;
+  for (int64_t j = 0; j < t.keys; ++j) {
+    float* s = t.pt + j * t.ldp + i0;
+    __m256 th;
+    __m256 x = logit(_mm256_loadu_ps(s), &th);
+    if (t.mask != nullptr) x = _mm256_blendv_ps(neg_inf, x, Allowed8(t, j, i0));
+    _mm256_storeu_ps(s, x);
+    vmax = _mm256_max_ps(vmax, x);
+  }
+  const __m256i live = FirstLanes(t.queries - i0);
+  const __m256 old_max =
+      _mm256_blendv_ps(neg_inf, _mm256_maskload_ps(row_max + i0, live), _mm256_castsi256_ps(live));
+  const __m256 m_new = _mm256_max_ps(old_max, vmax);
+  const __m256 none = _mm256_cmp_ps(m_new, neg_inf, _CMP_EQ_OQ);
+  const __m256 shift = _mm256_andnot_ps(none, m_new);
+  __m256 sum = _mm256_setzero_ps();
+  for (int64_t j = 0; j < t.keys; ++j) {
+    float* s = t.pt + j * t.ldp + i0;
+    const __m256 p = Exp256(_mm256_sub_ps(_mm256_loadu_ps(s), shift));
+    _mm256_storeu_ps(s, p);
+    sum = _mm256_add_ps(sum, p);
+  }
+  const __m256 a = Exp256(_mm256_sub_ps(old_max, shift));
+  const __m256 l = _mm256_fmadd_ps(a, _mm256_maskload_ps(row_sum + i0, live), sum);
+  _mm256_maskstore_ps(alpha + i0, live, a);
+  _mm256_maskstore_ps(row_sum + i0, live, l);
+  _mm256_maskstore_ps(row_max + i0, live, m_new);
+}
+
+void SoftmaxColumns(const TileArgs& t, float* row_max, float* row_sum, float* alpha) {
+  const LogitOp logit(t);
+  const int64_t mp = RoundUp(t.queries, kVec);
+  for (int64_t i0 = 0; i0 < mp; i0 += 8) SoftmaxStrip(t, logit, i0, row_max, row_sum, alpha);
+}
+
+// Whether the register block of keys [j0, j0 + rows) x the 16 queries from
+// i0 (a multiple of 16: one mask word per key) holds an allowed pair.
+inline bool AnyAllowed(const TileArgs& t, int64_t j0, int rows, int64_t i0) {
+  if (t.mask == nullptr) return true;
+  uint32_t any = 0;
+  for (int r = 0; r < rows; ++r) any |= t.mask[(j0 + r) * t.ldm + i0 / kVec];
+  return any != 0;
+}
+
+// Tile products C[keys x mp] = A[keys x k] B[k x mp] (A row-major with
+// leading dimension lda, B with t.ldq, C with t.ldp), register block by
+// register block; a block without an allowed pair is written as zeros
+// without being computed (micro.h allows it: every caller masks those
+// outputs). This keeps the diagonal of causal masks and the edges of
+// sliding windows from costing full tiles.
+void MaskedProducts(const TileArgs& t, int64_t k, const float* a, int64_t lda, const float* b,
+                    float* c) {
+  const int64_t mp = RoundUp(t.queries, kVec);
+  for (int64_t i0 = 0; i0 < mp; i0 += kVec) {
+    ForEachRowBlock<kRows>(t.keys, [&](int64_t j0, auto rows) {
+      constexpr int R = decltype(rows)::value;
+      __m256 acc[R][2];
+      RINGSPLASH_UNROLL
+      for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+      if (AnyAllowed(t, j0, R, i0)) {
+        MultiplyBlock<R, ALayout::kRowMajor>(k, a + j0 * lda, lda, 1, b + i0, t.ldq, acc);
+      }
+      RINGSPLASH_UNROLL
+      for (int r = 0; r < R; ++r) {
+        _mm256_storeu_ps(c + (j0 + r) * t.ldp + i0, acc[r][0]);
+        _mm256_storeu_ps(c + (j0 + r) * t.ldp + i0 + 8, acc[r][1]);
+      }
+    });
+  }
+}
+
+// Raw products S^T = K Q^T (keys x mp) into t.pt (0 in skipped blocks).
+void ScoresT(const TileArgs& t) { MaskedProducts(t, t.d, t.k, t.ldk, t.qt, t.pt); }
+
+// The lazy step's products: P^T = 2^(logit(K Q^T) log2 e - m2) straight
+// from the accumulators (0 where masked), one 16-query strip at a time, with
+// the strip's lane sums kept in registers and stored to sums[mp] at its end.
+// m2[mp] holds each lane's reference max times log2 e (0 for dead lanes).
+void LazyScores(const TileArgs& t, const ExponentOp& exponent, const float* m2, float* sums) {
+  const int64_t mp = RoundUp(t.queries, kVec);
+  for (int64_t i0 = 0; i0 < mp; i0 += kVec) {
+    const __m256 ref[2] = {_mm256_loadu_ps(m2 + i0), _mm256_loadu_ps(m2 + i0 + 8)};
+    __m256 sum[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    ForEachRowBlock<kRows>(t.keys, [&](int64_t j0, auto rows) {
+      constexpr int R = decltype(rows)::value;
+      if (!AnyAllowed(t, j0, R, i0)) {
+        for (int r = 0; r < R; ++r) {
+          _mm256_storeu_ps(t.pt + (j0 + r) * t.ldp + i0, _mm256_setzero_ps());
+          _mm256_storeu_ps(t.pt + (j0 + r) * t.ldp + i0 + 8, _mm256_setzero_ps());
+        }
+        return;
+      }
+      __m256 acc[R][2];
+      RINGSPLASH_UNROLL
+      for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+      MultiplyBlock<R, ALayout::kRowMajor>(t.d, t.k + j0 * t.ldk, t.ldk, 1, t.qt + i0, t.ldq, acc);
+      RINGSPLASH_UNROLL
+      for (int r = 0; r < R; ++r) {
+        RINGSPLASH_UNROLL
+        for (int v = 0; v < 2; ++v) {
+          __m256 p = Exp2Raw256(exponent(acc[r][v], ref[v]));
+          if (t.mask != nullptr) p = _mm256_and_ps(p, Allowed8(t, j0 + r, i0 + 8 * v));
+          _mm256_storeu_ps(t.pt + (j0 + r) * t.ldp + i0 + 8 * v, p);
+          sum[v] = _mm256_add_ps(sum[v], p);
+        }
+      }
+    });
+    _mm256_storeu_ps(sums + i0, sum[0]);
+    _mm256_storeu_ps(sums + i0 + 8, sum[1]);
+  }
+}
+
+// The lazy step of ForwardTileFn (micro.h): one pass, exps fused into the
+// products, no max. Taken only when every live query has a finite reference
+// max (not on its first tile); false, with nothing committed, when some
+// query's tile sum exceeds kLazySumLimit (a logit ~14 above its reference)
+// or is not finite — the caller then takes the exact step.
+bool TryLazyStep(const TileArgs& t, float* row_max, float* row_sum, float* alpha) {
+  const int64_t mp = RoundUp(t.queries, kVec);
+  for (int64_t i = 0; i < t.queries; ++i) {
+    if (!std::isfinite(row_max[i])) return false;
+  }
+  float* m2 = t.scratch;
+  float* sums = t.scratch + mp;
+  for (int64_t i = 0; i < mp; ++i) m2[i] = i < t.queries ? row_max[i] * poly::kLog2e : 0.0f;
+  LazyScores(t, ExponentOp(t), m2, sums);
+  for (int64_t i = 0; i < t.queries; ++i) {
+    if (!(sums[i] <= kLazySumLimit)) return false;  // a NaN fails too
+  }
+  for (int64_t i = 0; i < t.queries; ++i) {
+    row_sum[i] += sums[i];
+    alpha[i] = 1.0f;
+  }
+  return true;
+}
+
+void ForwardTile(const TileArgs& t, float* row_max, float* row_sum, float* alpha) {
+  if (TryLazyStep(t, row_max, row_sum, alpha)) return;
+  ScoresT(t);
+  SoftmaxColumns(t, row_max, row_sum, alpha);
+}
+
+void BackwardTile(const BackwardTileArgs& b) {
+  const TileArgs& t = b.t;
+  const int64_t mp = RoundUp(t.queries, kVec);
+  ScoresT(t);
+  // dP^T = V dO^T, into ds until the elementwise pass below overwrites it.
+  MaskedProducts(t, b.dv, b.v, b.ldv, b.dot, b.ds);
+  // Per-lane lse and delta over all mp lanes: dead lanes (and queries with
+  // no allowed key, lse = -inf) get P = 0 through the `keys` lanes below.
+  float* lse = t.scratch;
+  float* delta = t.scratch + mp;
+  for (int64_t i = 0; i < mp; ++i) {
+    lse[i] = i < t.queries ? b.lse[i] : kNegInf;
+    delta[i] = i < t.queries ? b.delta[i] : 0.0f;
+  }
+  const LogitOp logit(t);
+  const __m256 neg_inf = _mm256_set1_ps(kNegInf);
+  const __m256 one = _mm256_set1_ps(1.0f);
+  for (int64_t i0 = 0; i0 < mp; i0 += 8) {
+    const __m256 l = _mm256_loadu_ps(lse + i0);
+    const __m256 keys = _mm256_cmp_ps(l, neg_inf, _CMP_NEQ_OQ);
+    const __m256 shift = _mm256_and_ps(keys, l);
+    const __m256 dl = _mm256_loadu_ps(delta + i0);
+    for (int64_t j = 0; j < t.keys; ++j) {
+      const int64_t o = j * t.ldp + i0;
+      __m256 th = _mm256_setzero_ps();
+      const __m256 x = logit(_mm256_loadu_ps(t.pt + o), &th);
+      __m256 ok = keys;
+      if (t.mask != nullptr) ok = _mm256_and_ps(ok, Allowed8(t, j, i0));
+      const __m256 p = _mm256_and_ps(ok, Exp256(_mm256_sub_ps(x, shift)));
+      __m256 ds = _mm256_mul_ps(_mm256_mul_ps(logit.scale, p),
+                                _mm256_sub_ps(_mm256_loadu_ps(b.ds + o), dl));
+      if (logit.capped) ds = _mm256_mul_ps(ds, _mm256_fnmadd_ps(th, th, one));
+      _mm256_storeu_ps(t.pt + o, p);
+      _mm256_storeu_ps(b.ds + o, ds);
+    }
+  }
+}
+
+// Running NaN/Inf check over loaded f32 vectors (as NonFiniteCheck in
+// micro/common_avx512.h): the max of |bits| reaches the infinity pattern (exponent
+// all ones) iff some value was a NaN or an infinity.
+class NonFiniteCheck {
+ public:
+  RINGSPLASH_INLINE void Add(__m256 v) {
+    worst_ = _mm256_max_epi32(
+        worst_, _mm256_and_si256(_mm256_castps_si256(v), _mm256_set1_epi32(0x7FFFFFFF)));
+  }
+  bool Any() const {
+    const __m256i inf = _mm256_set1_epi32(0x7F800000);
+    return _mm256_movemask_epi8(_mm256_cmpgt_epi32(inf, worst_)) != -1;
+  }
+
+ private:
+  __m256i worst_ = _mm256_setzero_si256();
+};
+
+// Rows this far ahead are requested while a row is copied (as in the
+// AVX-512 copy: the rows are strided by other heads, which the hardware
+// prefetchers do not follow).
+constexpr int64_t kPrefetchRows = 8;
+
+bool CopyRowsF32(const float* src, int64_t lds, int64_t rows, int64_t cols, float* dst,
+                 int64_t ldd) {
+  NonFiniteCheck check;  // lanes beyond `cols` load as 0
+  for (int64_t r = 0; r < rows; ++r) {
+    if (r + kPrefetchRows < rows) {
+      const char* ahead = reinterpret_cast<const char*>(src + (r + kPrefetchRows) * lds);
+      for (int64_t o = 0; o < cols * static_cast<int64_t>(sizeof(float)); o += 64) {
+        _mm_prefetch(ahead + o, _MM_HINT_T0);
+      }
+    }
+    const float* s = src + r * lds;
+    float* d = dst + r * ldd;
+    for (int64_t c = 0; c < ldd; c += 8) {
+      const int64_t left = cols - c;
+      const __m256 v = left >= 8  ? _mm256_loadu_ps(s + c)
+                       : left > 0 ? _mm256_maskload_ps(s + c, FirstLanes(left))
+                                  : _mm256_setzero_ps();
+      check.Add(v);
+      if (ldd - c >= 8) {
+        _mm256_storeu_ps(d + c, v);
+      } else {
+        _mm256_maskstore_ps(d + c, FirstLanes(ldd - c), v);
+      }
+    }
+  }
+  return check.Any();
+}
+
+// 8 x 8 blocks transposed in registers: unpack pairs of rows, shuffle pairs
+// of 64-bit pairs, then swap 128-bit halves. Each 8-row strip reads its rows
+// front to back (the portable loop walked a column down every row at once,
+// 128 strided cache lines, and took ~12% of a sliding-window forward). The
+// loaded values go through NonFiniteCheck (lanes beyond `cols` and rows
+// beyond `rows` load as 0).
+bool TransposeF32(int64_t rows, int64_t cols, const float* src, int64_t lds, float* dst,
+                  int64_t ldd) {
+  NonFiniteCheck check;
+  for (int64_t r0 = 0; r0 < rows; r0 += 8) {
+    const int64_t nr = std::min<int64_t>(8, rows - r0);
+    for (int64_t c0 = 0; c0 < cols; c0 += 8) {
+      const int64_t nc = std::min<int64_t>(8, cols - c0);
+      const __m256i in = FirstLanes(nc);
+      __m256 r[8], t[8];
+      RINGSPLASH_UNROLL
+      for (int i = 0; i < 8; ++i) {
+        const float* s = src + (r0 + i) * lds + c0;
+        r[i] = i >= nr   ? _mm256_setzero_ps()
+               : nc == 8 ? _mm256_loadu_ps(s)
+                         : _mm256_maskload_ps(s, in);
+        check.Add(r[i]);
+      }
+      RINGSPLASH_UNROLL
+      for (int i = 0; i < 4; ++i) {
+        t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+      }
+      RINGSPLASH_UNROLL
+      for (int h = 0; h < 2; ++h) {  // rows 4h .. 4h + 3
+        r[4 * h] = _mm256_shuffle_ps(t[4 * h], t[4 * h + 2], 0x44);
+        r[4 * h + 1] = _mm256_shuffle_ps(t[4 * h], t[4 * h + 2], 0xEE);
+        r[4 * h + 2] = _mm256_shuffle_ps(t[4 * h + 1], t[4 * h + 3], 0x44);
+        r[4 * h + 3] = _mm256_shuffle_ps(t[4 * h + 1], t[4 * h + 3], 0xEE);
+      }
+      RINGSPLASH_UNROLL
+      for (int i = 0; i < 4; ++i) {
+        t[i] = _mm256_permute2f128_ps(r[i], r[4 + i], 0x20);
+        t[4 + i] = _mm256_permute2f128_ps(r[i], r[4 + i], 0x31);
+      }
+      // t[c] is column c0 + c over rows r0 .. r0 + 7 (zero beyond `rows`).
+      for (int64_t c = 0; c < nc; ++c) _mm256_storeu_ps(dst + (c0 + c) * ldd + r0, t[c]);
+    }
+  }
+  // Lanes from RoundUp(rows, 8) to ldd.
+  const int64_t done = RoundUp(rows, 8);
+  for (int64_t c = 0; c < cols; ++c) {
+    for (int64_t r = done; r < ldd; ++r) dst[c * ldd + r] = 0.0f;
+  }
+  return check.Any();
+}
+
+}  // namespace
+
+bool DecodeStep(const DecodeArgs& a);  // decode/step_avx2.cc
+
+}  // namespace avx2
+
+const MicroKernels& Avx2MicroKernels() {
+  static const MicroKernels table = [] {
+    MicroKernels t = PortableMicroKernels();
+    t.name = "avx2";
+    t.gemm_f32 = avx2::GemmF32;
+    t.gemm_f32_ranges = avx2::GemmF32Ranges;
+    t.copy_rows_f32 = avx2::CopyRowsF32;
+    t.transpose_f32 = avx2::TransposeF32;
+    t.softmax_columns = avx2::SoftmaxColumns;
+    t.forward_tile = avx2::ForwardTile;
+    t.backward_tile = avx2::BackwardTile;
+    t.decode_step = avx2::DecodeStep;
+    return t;
+  }();
+  return table;
+}
+
+}  // namespace ringsplash::kernels::micro

@@ -1,0 +1,76 @@
+// AVX-512 f32 micro-kernel table (compiled with -mavx512f/bw/vl/dq -mfma;
+// used only after runtime detection, see micro.h) and the row copy. The GEMM
+// building blocks live in micro/common_avx512.h, the fused transposed-layout tile
+// kernels in micro/fused_avx512.h/.cc and micro/fused_bwd_avx512.cc.
+// GCC 12's AVX-512 intrinsic headers initialise "undefined" operands from
+// themselves, which -W(maybe-)uninitialized reports at every inlined use (GCC
+// bug 105593, fixed in later releases); the warning is meaningless here.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#endif
+#include <immintrin.h>
+
+#include <cstdint>
+
+#include "src/kernels/micro/common_avx512.h"
+#include "src/kernels/micro/micro.h"
+
+namespace ringsplash::kernels::micro {
+namespace avx512 {
+namespace {
+
+// Rows this far ahead are requested while a row is copied: enough misses in
+// flight for a stream of 512-byte rows 4 KiB apart (2.5x the rate of a plain
+// row-by-row copy; 4 rows ahead gains less, 16 no more).
+constexpr int64_t kPrefetchRows = 8;
+
+bool CopyRowsF32(const float* src, int64_t lds, int64_t rows, int64_t cols, float* dst,
+                 int64_t ldd) {
+  NonFiniteCheck check;
+  for (int64_t r = 0; r < rows; ++r) {
+    if (r + kPrefetchRows < rows) {
+      const char* ahead = reinterpret_cast<const char*>(src + (r + kPrefetchRows) * lds);
+      for (int64_t o = 0; o < cols * static_cast<int64_t>(sizeof(float)); o += 64) {
+        _mm_prefetch(ahead + o, _MM_HINT_T0);
+      }
+    }
+    const float* s = src + r * lds;
+    float* d = dst + r * ldd;
+    for (int64_t c = 0; c < ldd; c += 16) {
+      const int64_t left = cols - c;
+      const __mmask16 in = left >= 16  ? static_cast<__mmask16>(0xFFFF)
+                           : left <= 0 ? static_cast<__mmask16>(0)
+                                       : static_cast<__mmask16>((1u << left) - 1u);
+      const __m512i v = _mm512_maskz_loadu_epi32(in, s + c);
+      check.Add(v);
+      const __mmask16 out = ldd - c >= 16 ? static_cast<__mmask16>(0xFFFF)
+                                          : static_cast<__mmask16>((1u << (ldd - c)) - 1u);
+      _mm512_mask_storeu_epi32(d + c, out, v);
+    }
+  }
+  return check.Any();
+}
+
+}  // namespace
+}  // namespace avx512
+
+const MicroKernels& Avx512MicroKernels() {
+  static const MicroKernels table = [] {
+    MicroKernels t = PortableMicroKernels();
+    t.name = "avx512";
+    t.gemm_f32 = GemmF32Avx512;
+    t.gemm_f32_ranges = GemmF32RangesAvx512;
+    t.mask_bits = avx512::MaskBits;
+    t.transpose_f32 = avx512::TransposeF32;
+    t.copy_rows_f32 = avx512::CopyRowsF32;
+    t.softmax_columns = avx512::SoftmaxColumns;
+    t.forward_tile = avx512::ForwardTile;
+    t.backward_tile = avx512::BackwardTile;
+    t.decode_step = avx512::DecodeStep;
+    return t;
+  }();
+  return table;
+}
+
+}  // namespace ringsplash::kernels::micro

@@ -1,0 +1,298 @@
+// AVX512_BF16 micro-kernels (compiled with -mavx512bf16 on top of the AVX-512
+// flags; called only after runtime detection). vdpbf16ps multiplies pairs of
+// bf16 and accumulates both products into one f32 lane, so one instruction
+// covers two steps of p: A's pair (2t, 2t+1) is broadcast as a 32-bit word and
+// B is stored pair-interleaved (micro.h). Blocking as in micro/path_avx512.cc.
+// Besides the GEMM, the bf16 operands of the products that round P and dS to
+// bf16 (the forward's P V, the backward's dV, dK, dQ): pair packers,
+// SoftmaxBf16 and GradOperandsBf16. The amx table (micro/path_amx.cc) keeps all of
+// them and runs only GemmBf16 on tiles.
+// GCC 12's AVX-512 intrinsic headers initialise "undefined" operands from
+// themselves, which -Wmaybe-uninitialized reports at every inlined use (GCC
+// bug 105593, fixed in later releases); the warning is meaningless here.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "src/kernels/micro/common_avx512.h"
+#include "src/kernels/micro/fused_avx512.h"
+#include "src/kernels/micro/math_avx512.h"
+#include "src/kernels/micro/micro.h"
+
+namespace ringsplash::kernels::micro {
+namespace {
+
+template <int MR, int NV>
+inline void GemmBf16Block(int64_t k2, const uint16_t* a, int64_t lda, const uint16_t* b,
+                          int64_t ldb, float* c, int64_t ldc, const float* row_scale,
+                          bool accumulate) {
+  __m512 acc[MR][NV];
+  for (int i = 0; i < MR; ++i) {
+    if (accumulate) {
+      for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_loadu_ps(c + i * ldc + 16 * v);
+      if (row_scale != nullptr) {
+        const __m512 r = _mm512_set1_ps(row_scale[i]);
+        for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_mul_ps(acc[i][v], r);
+      }
+    } else {
+      for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_setzero_ps();
+    }
+  }
+  for (int64_t t = 0; t < k2; ++t) {
+    __m512bh bv[NV];
+    for (int v = 0; v < NV; ++v) {
+      bv[v] = (__m512bh)_mm512_loadu_si512(b + (t * ldb + 16 * v) * 2);
+    }
+    for (int i = 0; i < MR; ++i) {
+      int32_t pair;
+      std::memcpy(&pair, a + i * lda + 2 * t, sizeof(pair));
+      const __m512bh ai = (__m512bh)_mm512_set1_epi32(pair);
+      for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_dpbf16_ps(acc[i][v], ai, bv[v]);
+    }
+  }
+  for (int i = 0; i < MR; ++i) {
+    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(c + i * ldc + 16 * v, acc[i][v]);
+  }
+}
+
+template <int R, int NV>
+inline void GemmBf16Tail(int64_t rem, int64_t k2, const uint16_t* a, int64_t lda, const uint16_t* b,
+                         int64_t ldb, float* c, int64_t ldc, const float* row_scale,
+                         bool accumulate) {
+  if constexpr (R > 1) {
+    if (rem == R - 1) {
+      GemmBf16Block<R - 1, NV>(k2, a, lda, b, ldb, c, ldc, row_scale, accumulate);
+    } else {
+      GemmBf16Tail<R - 1, NV>(rem, k2, a, lda, b, ldb, c, ldc, row_scale, accumulate);
+    }
+  }
+}
+
+template <int MR, int NV>
+void GemmBf16Panel(int64_t m, int64_t k2, const uint16_t* a, int64_t lda, const uint16_t* b,
+                   int64_t ldb, float* c, int64_t ldc, const float* row_scale, bool accumulate) {
+  int64_t i = 0;
+  for (; i + MR <= m; i += MR) {
+    GemmBf16Block<MR, NV>(k2, a + i * lda, lda, b, ldb, c + i * ldc, ldc,
+                          row_scale != nullptr ? row_scale + i : nullptr, accumulate);
+  }
+  if (i < m) {
+    GemmBf16Tail<MR, NV>(m - i, k2, a + i * lda, lda, b, ldb, c + i * ldc, ldc,
+                         row_scale != nullptr ? row_scale + i : nullptr, accumulate);
+  }
+}
+
+void GemmBf16(int64_t m, int64_t n, int64_t k2, const uint16_t* a, int64_t lda, const uint16_t* b,
+              int64_t ldb, float* c, int64_t ldc, const float* row_scale, bool accumulate) {
+  int64_t j = 0;
+  // b + j * 2: column j of a pair-interleaved B starts 2 j elements into each row.
+  for (; j + 64 <= n; j += 64) {
+    GemmBf16Panel<6, 4>(m, k2, a, lda, b + 2 * j, ldb, c + j, ldc, row_scale, accumulate);
+  }
+  for (; j + 32 <= n; j += 32) {
+    GemmBf16Panel<8, 2>(m, k2, a, lda, b + 2 * j, ldb, c + j, ldc, row_scale, accumulate);
+  }
+  for (; j + 16 <= n; j += 16) {
+    GemmBf16Panel<8, 1>(m, k2, a, lda, b + 2 * j, ldb, c + j, ldc, row_scale, accumulate);
+  }
+}
+
+// Element order that turns [16 of row 2t | 16 of row 2t + 1] into their
+// pairs.
+alignas(64) constexpr uint16_t kInterleave[32] = {0,  16, 1,  17, 2,  18, 3,  19, 4,  20, 5,
+                                                  21, 6,  22, 7,  23, 8,  24, 9,  25, 10, 26,
+                                                  11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+
+// The pair loop of both packers: both(r, c) gives [16 of row r | 16 of row
+// r + 1] from column c as bf16 (zero past the last row); interleaved
+// element by element into pair row r / 2, for rows up to RoundUp(rows, 32)
+// and columns up to cols16.
+template <class Both>
+RINGSPLASH_INLINE void InterleavePairs(int64_t rows, int64_t cols16, uint16_t* dst, int64_t ldd,
+                                       Both&& both) {
+  const __m512i order = _mm512_load_si512(kInterleave);
+  const int64_t padded = RoundUp(rows, 32);
+  for (int64_t r = 0; r < padded; r += 2) {
+    uint16_t* out = dst + (r / 2) * ldd * 2;
+    for (int64_t c = 0; c < cols16; c += 16) {
+      _mm512_storeu_si512(out + 2 * c, _mm512_permutexvar_epi16(order, both(r, c)));
+    }
+  }
+}
+
+// Pairs of rows (2t, 2t + 1), 16 columns at a time, both rounded to bf16.
+void PackPairsBf16(int64_t rows, int64_t cols, const float* src, int64_t lds, uint16_t* dst,
+                   int64_t ldd) {
+  InterleavePairs(rows, cols, dst, ldd, [&](int64_t r, int64_t c) {
+    const __m512 even = r < rows ? _mm512_loadu_ps(src + r * lds + c) : _mm512_setzero_ps();
+    const __m512 odd =
+        r + 1 < rows ? _mm512_loadu_ps(src + (r + 1) * lds + c) : _mm512_setzero_ps();
+    return reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(odd, even));
+  });
+}
+
+// PackPairsFromBf16Fn: the same from bf16 rows, the column tail loaded
+// under a mask.
+void PackPairsFromBf16(int64_t rows, int64_t cols, const uint16_t* src, int64_t lds, uint16_t* dst,
+                       int64_t ldd) {
+  InterleavePairs(rows, RoundUp(cols, 16), dst, ldd, [&](int64_t r, int64_t c) {
+    const __mmask16 in = avx512::LaneMask(cols - c);
+    const __m256i even =
+        r < rows ? _mm256_maskz_loadu_epi16(in, src + r * lds + c) : _mm256_setzero_si256();
+    const __m256i odd = r + 1 < rows ? _mm256_maskz_loadu_epi16(in, src + (r + 1) * lds + c)
+                                     : _mm256_setzero_si256();
+    return _mm512_inserti64x4(_mm512_castsi256_si512(even), odd, 1);
+  });
+}
+
+// r[jj] holds keys j0 + jj of 16 queries (from i0): transposed in registers
+// and stored as rows i0 .. i0 + nq - 1 of P, 16 bf16 from key j0 each.
+RINGSPLASH_INLINE void StoreTransposedBf16(__m512 (&r)[16], int64_t nq, uint16_t* p, int64_t ldpb,
+                                           int64_t i0, int64_t j0) {
+  Transpose16(r);  // r[c]: query i0 + c over keys j0 .. j0 + 15
+  for (int64_t c = 0; c < nq; ++c) {
+    const __m256i row = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(r[c]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + (i0 + c) * ldpb + j0), row);
+  }
+}
+
+// A tile in the transposed layout (keys x queries: src[j * lds + i]) to
+// bf16, 16 keys x 16 queries at a time, each value loaded once:
+//   rows[j * ldr + i] for j < keys, i < RoundUp(queries, kVec) (zero from
+//     queries), when rows is not null;
+//   cols[i * ldc + j] for i < queries, j < RoundUp(keys, 32) (zero from
+//     keys), transposed in registers, when cols is not null.
+void TileToBf16(int64_t keys, int64_t queries, const float* src, int64_t lds, uint16_t* rows,
+                int64_t ldr, uint16_t* cols, int64_t ldc) {
+  const int64_t mp = RoundUp(queries, kVec);
+  const int64_t padded = cols != nullptr ? RoundUp(keys, 32) : keys;
+  for (int64_t i0 = 0; i0 < mp; i0 += 16) {
+    const int64_t nq = std::min<int64_t>(16, queries - i0);
+    const __mmask16 in = avx512::LaneMask(nq);
+    for (int64_t j0 = 0; j0 < padded; j0 += 16) {
+      __m512 r[16];
+      RINGSPLASH_UNROLL
+      for (int jj = 0; jj < 16; ++jj) {
+        const int64_t j = j0 + jj;
+        if (j >= keys) {
+          r[jj] = _mm512_setzero_ps();
+          continue;
+        }
+        r[jj] = _mm512_maskz_loadu_ps(in, src + j * lds + i0);
+        if (rows != nullptr) {
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(rows + j * ldr + i0),
+                              reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(r[jj])));
+        }
+      }
+      if (cols != nullptr) StoreTransposedBf16(r, nq, cols, ldc, i0, j0);
+    }
+  }
+}
+
+// The lazy step of ForwardTileFn on stored products, in one pass: P is
+// computed (Exp2Raw512, as in the fused f32 tile) 16 keys x 16 queries in
+// registers and written transposed as bf16 rows, while the largest exponent
+// x * log2 e - m_i * log2 e of each query is tracked. If one exceeds
+// log2(kLazySumLimit / keys) (so the query's sum could pass the limit) the
+// step is abandoned: false, with row_sum and alpha untouched (they are
+// committed last) and t.pt intact, for the exact step to redo P.
+bool LazyStepBf16(const TileArgs& t, float* row_max, float* row_sum, float* alpha, uint16_t* p,
+                  int64_t ldpb) {
+  using avx512::Allowed16;
+  using avx512::LaneMask;
+  const int64_t mp = RoundUp(t.queries, kVec);
+  const __m512 neg_inf = _mm512_set1_ps(avx512::kNegInf);
+  const __m512 c2 = _mm512_set1_ps(t.scale * avx512::kLog2e);
+  const __m512 bound =
+      _mm512_set1_ps(std::log2(kLazySumLimit / static_cast<float>(std::max<int64_t>(t.keys, 1))));
+  const int64_t padded = RoundUp(t.keys, 32);
+  float* sums = t.scratch;  // [mp], committed once every query passed
+  for (int64_t i0 = 0; i0 < mp; i0 += 16) {
+    const __mmask16 live = LaneMask(t.queries - i0);
+    const int64_t nq = std::min<int64_t>(16, t.queries - i0);
+    const __m512 m = _mm512_maskz_loadu_ps(live, row_max + i0);
+    // A query without a finite reference yet (first tile, or masked so far).
+    if (_mm512_mask_cmp_ps_mask(live, m, neg_inf, _CMP_EQ_OQ) != 0) return false;
+    const __m512 shift = _mm512_mul_ps(m, _mm512_set1_ps(avx512::kLog2e));
+    __m512 sum = _mm512_setzero_ps(), emax = neg_inf;
+    for (int64_t j0 = 0; j0 < padded; j0 += 16) {
+      __m512 r[16];
+      RINGSPLASH_UNROLL
+      for (int jj = 0; jj < 16; ++jj) {
+        const int64_t j = j0 + jj;
+        if (j >= t.keys) {
+          r[jj] = _mm512_setzero_ps();
+          continue;
+        }
+        const __m512 e = _mm512_fmsub_ps(_mm512_loadu_ps(t.pt + j * t.ldp + i0), c2, shift);
+        __m512 v = Exp2Raw512(e);
+        if (t.mask != nullptr) {
+          const __mmask16 allowed = Allowed16(t, j, i0);
+          emax = _mm512_max_ps(emax, _mm512_mask_blend_ps(allowed, neg_inf, e));
+          v = _mm512_maskz_mov_ps(allowed, v);
+        } else {
+          emax = _mm512_max_ps(emax, e);
+        }
+        sum = _mm512_add_ps(sum, v);
+        r[jj] = v;
+      }
+      StoreTransposedBf16(r, nq, p, ldpb, i0, j0);
+    }
+    // Ordered compares: a NaN (from inf - inf in K Q^T) fails them too, as
+    // max_ps may drop a NaN exponent from emax.
+    if (_mm512_mask_cmp_ps_mask(live, emax, bound, _CMP_LE_OQ) != live) return false;
+    if (_mm512_mask_cmp_ps_mask(live, sum, _mm512_set1_ps(kLazySumLimit), _CMP_LE_OQ) != live) {
+      return false;
+    }
+    _mm512_store_ps(sums + i0, sum);
+  }
+  for (int64_t i0 = 0; i0 < mp; i0 += 16) {
+    const __mmask16 live = LaneMask(t.queries - i0);
+    _mm512_mask_storeu_ps(
+        row_sum + i0, live,
+        _mm512_add_ps(_mm512_maskz_loadu_ps(live, row_sum + i0), _mm512_load_ps(sums + i0)));
+    _mm512_mask_storeu_ps(alpha + i0, live, _mm512_set1_ps(1.0f));
+  }
+  return true;
+}
+
+// GradOperandsBf16Fn: P^T as rows, dS^T as rows and transposed.
+void GradOperandsBf16(int64_t keys, int64_t queries, const float* pt, const float* ds, int64_t ldp,
+                      uint16_t* pt_rows, uint16_t* ds_rows, int64_t ldr, uint16_t* ds_cols,
+                      int64_t ldc) {
+  if (pt_rows != nullptr) TileToBf16(keys, queries, pt, ldp, pt_rows, ldr, nullptr, 0);
+  TileToBf16(keys, queries, ds, ldp, ds_rows, ldr, ds_cols, ldc);
+}
+
+// SoftmaxBf16Fn: the lazy step where it applies (no soft cap), else the
+// exact AVX-512 step in place and its P^T transposed to bf16 rows.
+void SoftmaxBf16(const TileArgs& t, float* row_max, float* row_sum, float* alpha, uint16_t* p,
+                 int64_t ldpb) {
+  if (t.softcap == 0.0f && LazyStepBf16(t, row_max, row_sum, alpha, p, ldpb)) return;
+  avx512::SoftmaxColumns(t, row_max, row_sum, alpha);
+  TileToBf16(t.keys, t.queries, t.pt, t.ldp, nullptr, 0, p, ldpb);
+}
+
+}  // namespace
+
+const MicroKernels& Avx512Bf16MicroKernels() {
+  static const MicroKernels table = [] {
+    MicroKernels t = Avx512MicroKernels();
+    t.name = "avx512_bf16";
+    t.gemm_bf16 = GemmBf16;
+    t.pack_pairs_bf16 = PackPairsBf16;
+    t.pack_pairs_from_bf16 = PackPairsFromBf16;
+    t.softmax_bf16 = SoftmaxBf16;
+    t.grad_operands_bf16 = GradOperandsBf16;
+    return t;
+  }();
+  return table;
+}
+
+}  // namespace ringsplash::kernels::micro

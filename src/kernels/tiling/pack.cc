@@ -1,0 +1,118 @@
+// Tile packers (see tiling/pack.h). Scalar loops over strided views: packing is
+// O(tile) once per tile and call, small next to the O(tile * D) products.
+#include "src/kernels/tiling/pack.h"
+
+#include <algorithm>
+#include <bit>
+#include <cstring>
+#include <vector>
+
+namespace ringsplash::kernels {
+namespace {
+
+// Reads row r of a slab into f32 (nc values).
+void ReadRowF32(const Slab& s, int64_t r, float* out) {
+  const TensorView& t = *s.t;
+  const int64_t off = t.Offset(s.b, s.r0 + r, s.head, 0);
+  const int64_t cs = t.stride[3];
+  switch (t.dtype) {
+    case DType::kF32: {
+      const float* src = static_cast<const float*>(t.data) + off;
+      if (cs == 1) {
+        std::memcpy(out, src, static_cast<size_t>(s.nc) * sizeof(float));
+      } else {
+        for (int64_t c = 0; c < s.nc; ++c) out[c] = src[c * cs];
+      }
+      return;
+    }
+    case DType::kBF16: {
+      const uint16_t* src = static_cast<const uint16_t*>(t.data) + off;
+      if (cs == 1) {
+        // bf16 is the top half of an f32: a shift, which this loop vectorises.
+        for (int64_t c = 0; c < s.nc; ++c) {
+          out[c] = std::bit_cast<float>(static_cast<uint32_t>(src[c]) << 16);
+        }
+      } else {
+        for (int64_t c = 0; c < s.nc; ++c) out[c] = BF16ToF32(src[c * cs]);
+      }
+      return;
+    }
+    case DType::kF16: {
+      const uint16_t* src = static_cast<const uint16_t*>(t.data) + off;
+      for (int64_t c = 0; c < s.nc; ++c) out[c] = F16ToF32(src[c * cs]);
+      return;
+    }
+    default:
+      for (int64_t c = 0; c < s.nc; ++c) out[c] = LoadAsF32(t, off + c * cs);
+      return;
+  }
+}
+
+// Reads row r of a slab as bf16 bits. Only the bf16 path calls this, and only
+// for bf16 views, so no rounding happens here for those; other dtypes round.
+void ReadRowBf16(const Slab& s, int64_t r, uint16_t* out) {
+  const TensorView& t = *s.t;
+  const int64_t off = t.Offset(s.b, s.r0 + r, s.head, 0);
+  const int64_t cs = t.stride[3];
+  if (t.dtype == DType::kBF16) {
+    const uint16_t* src = static_cast<const uint16_t*>(t.data) + off;
+    for (int64_t c = 0; c < s.nc; ++c) out[c] = src[c * cs];
+  } else {
+    for (int64_t c = 0; c < s.nc; ++c) out[c] = F32ToBF16(LoadAsF32(t, off + c * cs));
+  }
+}
+
+}  // namespace
+
+void PackRowsF32(const Slab& s, float* dst, int64_t ld, int64_t nr_pad) {
+  for (int64_t r = 0; r < nr_pad; ++r) {
+    float* row = dst + r * ld;
+    if (r < s.nr) {
+      ReadRowF32(s, r, row);
+      std::fill(row + s.nc, row + ld, 0.0f);
+    } else {
+      std::fill(row, row + ld, 0.0f);
+    }
+  }
+}
+
+void PackTransposedF32(const Slab& s, float* dst, int64_t ld) {
+  std::vector<float> buf(static_cast<size_t>(s.nc));
+  float* row = buf.data();
+  for (int64_t r = 0; r < s.nr; ++r) {
+    ReadRowF32(s, r, row);
+    for (int64_t c = 0; c < s.nc; ++c) dst[c * ld + r] = row[c];
+  }
+  for (int64_t c = 0; c < s.nc; ++c) std::fill(dst + c * ld + s.nr, dst + (c + 1) * ld, 0.0f);
+}
+
+void PackRowsBf16(const Slab& s, uint16_t* dst, int64_t ld) {
+  for (int64_t r = 0; r < s.nr; ++r) {
+    uint16_t* row = dst + r * ld;
+    ReadRowBf16(s, r, row);
+    std::fill(row + s.nc, row + ld, uint16_t{0});
+  }
+}
+
+void PackTransposedBf16Pairs(const Slab& s, uint16_t* dst, int64_t ld) {
+  const int64_t nc2 = (s.nc + 1) / 2 * 2;
+  std::fill(dst, dst + nc2 * ld, uint16_t{0});
+  std::vector<uint16_t> buf(static_cast<size_t>(s.nc));
+  uint16_t* row = buf.data();
+  for (int64_t r = 0; r < s.nr; ++r) {
+    ReadRowBf16(s, r, row);
+    for (int64_t c = 0; c < s.nc; ++c) dst[((c / 2) * ld + r) * 2 + c % 2] = row[c];
+  }
+}
+
+void PackRowsBf16Pairs(const Slab& s, uint16_t* dst, int64_t ld, int64_t nr_pad) {
+  std::fill(dst, dst + nr_pad * ld, uint16_t{0});
+  std::vector<uint16_t> buf(static_cast<size_t>(s.nc));
+  uint16_t* row = buf.data();
+  for (int64_t r = 0; r < s.nr; ++r) {
+    ReadRowBf16(s, r, row);
+    for (int64_t c = 0; c < s.nc; ++c) dst[((r / 2) * ld + c) * 2 + r % 2] = row[c];
+  }
+}
+
+}  // namespace ringsplash::kernels
