@@ -1,13 +1,15 @@
 // The threads communicator backend: ring shifts with several transfers in
 // flight, all-reduce, barrier, and failure handling (a peer that throws, a
 // peer that never posts) — every failure must end in an Error naming the
-// failed rank, never a hang.
+// failed rank, never a hang. And the emulated link (LinkModel): its syntax,
+// its delays, and that they pass while the ranks are busy elsewhere.
 #include "ringsplash/comm.h"
 
 #include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <new>
 #include <numeric>
 #include <string>
@@ -360,6 +362,169 @@ TEST(CommTest, MpiStubOrBackendReportsAvailability) {
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("no MPI backend"), std::string::npos);
   }
+}
+
+// ---- The emulated link ------------------------------------------------------
+
+TEST(LinkModelTest, ParsesMicrosecondsAndGigabytesPerSecond) {
+  const LinkModel a = LinkModel::Parse("5,25");
+  EXPECT_DOUBLE_EQ(a.latency_seconds, 5e-6);
+  EXPECT_DOUBLE_EQ(a.bandwidth_bytes_per_second, 25e9);
+  EXPECT_DOUBLE_EQ(a.MessageSeconds(1000000), 5e-6 + 4e-5);
+  const LinkModel b = LinkModel::Parse("50000");  // latency only
+  EXPECT_DOUBLE_EQ(b.latency_seconds, 0.05);
+  EXPECT_EQ(b.bandwidth_bytes_per_second, 0.0);
+  EXPECT_DOUBLE_EQ(b.MessageSeconds(size_t{1} << 30), 0.05);
+  EXPECT_TRUE(b.active());
+  const LinkModel c = LinkModel::Parse("0,0.5");  // bandwidth only
+  EXPECT_DOUBLE_EQ(c.MessageSeconds(1000), 2e-6);
+  EXPECT_TRUE(c.active());
+  EXPECT_FALSE(LinkModel{}.active());
+  for (const char* bad :
+       {"", ",", "-1", "5,", "5,0", "5,-2", "x", "5,25,1", "1e999", "5;25", "nan", "5,inf", " 5"}) {
+    try {
+      LinkModel::Parse(bad);
+      ADD_FAILURE() << "'" << bad << "' parsed";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("LATENCY_US,GBPS"), std::string::npos) << e.what();
+    }
+  }
+}
+
+// RINGSPLASH_LINK is the default of CommOptions::link; a value that does not
+// parse is an Error naming the variable (a typo must not silently run an
+// undelayed link), and an explicit LinkModel{} overrides it.
+TEST(LinkModelTest, EnvironmentIsTheDefaultAndIsChecked) {
+  ASSERT_EQ(setenv("RINGSPLASH_LINK", "70000", 1), 0);
+  EXPECT_DOUBLE_EQ(LinkModel::FromEnv().value().latency_seconds, 0.07);
+  auto shift_seconds = [](const CommOptions& opt) {
+    double seconds = 0;
+    RunThreadRanks(2, opt, [&](Communicator& comm) {
+      int a = comm.rank(), b = -1;
+      const Clock::time_point t = Clock::now();
+      comm.Wait(comm.StartShift(&a, &b, sizeof a));
+      if (comm.rank() == 0) seconds = SecondsSince(t);
+    });
+    return seconds;
+  };
+  EXPECT_GE(shift_seconds(CommOptions{}), 0.07);
+  CommOptions none;
+  none.link = LinkModel{};
+  EXPECT_LT(shift_seconds(none), 0.07);  // a sleep never returns early; this has none
+  ASSERT_EQ(setenv("RINGSPLASH_LINK", "5,fast", 1), 0);
+  try {
+    RunThreadRanks(2, CommOptions{}, [](Communicator&) {});
+    ADD_FAILURE() << "no Error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("RINGSPLASH_LINK"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("5,fast"), std::string::npos) << e.what();
+  }
+  EXPECT_NO_THROW(shift_seconds(none));  // the explicit option wins, the variable is not read
+  ASSERT_EQ(unsetenv("RINGSPLASH_LINK"), 0);
+  EXPECT_FALSE(LinkModel::FromEnv().has_value());
+  CommOptions bad;
+  bad.link = LinkModel{-1e-3, 0};
+  EXPECT_THROW(RunThreadRanks(2, bad, [](Communicator&) {}), Error);
+  bad.link = LinkModel{0, -5};
+  EXPECT_THROW(RunThreadRanks(2, bad, [](Communicator&) {}), Error);
+}
+
+// Each message arrives no earlier than latency + bytes / bandwidth after it
+// could start, and one link carries one message at a time: two messages in
+// flight on it take twice the bandwidth term but one latency. Only lower
+// bounds and "less than the serialised sum" are asserted: a sleep can
+// overshoot on a loaded machine but never undershoot, and the pipelined
+// latency would need 100 ms of scheduling delay to look serialised.
+TEST(LinkModelTest, DelaysEachMessageAndSharesBandwidth) {
+  constexpr size_t kBytes = 1 << 20;
+  struct Case {
+    const char* name;
+    LinkModel link;
+    int in_flight;
+    double at_least, below;
+  };
+  const Case cases[] = {
+      {"latency 100 ms", {0.1, 0}, 1, 0.1, 1e9},
+      {"1 MiB at 20 MB/s", {0, 20e6}, 1, kBytes / 20e6, 1e9},
+      // Two messages: the second leaves when the first has left.
+      {"2 x 1 MiB at 20 MB/s", {0, 20e6}, 2, 2 * kBytes / 20e6, 1e9},
+      // Latency is paid once by messages in flight together (serialised
+      // it would be 200 ms).
+      {"2 messages, latency 100 ms", {0.1, 0}, 2, 0.1, 0.2},
+  };
+  for (const Case& c : cases) {
+    CommOptions opt;
+    opt.link = c.link;
+    std::vector<double> seconds(2);
+    RunThreadRanks(2, opt, [&](Communicator& comm) {
+      std::vector<std::vector<char>> send(2, std::vector<char>(kBytes, 'a' + comm.rank()));
+      std::vector<std::vector<char>> recv(2, std::vector<char>(kBytes));
+      comm.Barrier();
+      const Clock::time_point t = Clock::now();
+      std::vector<Communicator::Handle> h;
+      for (int i = 0; i < c.in_flight; ++i) {
+        h.push_back(comm.StartShift(send[i].data(), recv[i].data(), kBytes));
+      }
+      for (Communicator::Handle x : h) comm.Wait(x);
+      seconds[static_cast<size_t>(comm.rank())] = SecondsSince(t);
+      for (int i = 0; i < c.in_flight; ++i) {
+        EXPECT_EQ(recv[i][kBytes - 1], 'a' + (1 - comm.rank()));
+      }
+    });
+    for (double s : seconds) {
+      EXPECT_GE(s, c.at_least) << c.name;
+      EXPECT_LT(s, c.below) << c.name;
+    }
+  }
+}
+
+// The point of the model: the delay passes while the ranks compute (here: a
+// sleep, so that the check does not depend on free cores), so a transfer
+// started before 200 ms of "compute" is ready after it. A ring of one sends
+// to itself over no link: not delayed.
+TEST(LinkModelTest, DelayPassesWhileRanksAreBusyAndSelfSendsAreFree) {
+  constexpr double kLatency = 0.1;
+  CommOptions opt;
+  opt.link = LinkModel{kLatency, 0};
+  std::vector<double> exposed(2);
+  RunThreadRanks(2, opt, [&](Communicator& comm) {
+    int a = comm.rank(), b = -1;
+    const Communicator::Handle h = comm.StartShift(&a, &b, sizeof a);
+    std::this_thread::sleep_for(std::chrono::duration<double>(2 * kLatency));
+    const Clock::time_point w = Clock::now();
+    comm.Wait(h);
+    exposed[static_cast<size_t>(comm.rank())] = SecondsSince(w);
+    EXPECT_EQ(b, 1 - comm.rank());
+  });
+  // Ready 100 ms before the wait; 50 ms is room for scheduling delay.
+  for (double e : exposed) EXPECT_LT(e, kLatency / 2);
+  opt.link = LinkModel{30.0, 0};
+  const Clock::time_point start = Clock::now();
+  RunThreadRanks(1, opt, [](Communicator& comm) {
+    int a = 7, b = 0;
+    comm.Wait(comm.StartShift(&a, &b, sizeof a));
+    EXPECT_EQ(b, 7);
+  });
+  EXPECT_LT(SecondsSince(start), 15.0);
+}
+
+// A delay beyond the timeout is a timeout, and the world ends promptly (the
+// delivery thread sleeping until the modelled arrival is woken).
+TEST(LinkModelTest, DelayBeyondTheTimeoutTimesOut) {
+  CommOptions opt;
+  opt.timeout_s = 0.2;
+  opt.link = LinkModel{30.0, 0};
+  const Clock::time_point start = Clock::now();
+  try {
+    RunThreadRanks(2, opt, [](Communicator& comm) {
+      int a = 0, b = 0;
+      comm.Wait(comm.StartShift(&a, &b, sizeof a));
+    });
+    FAIL() << "expected an Error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("timed out after 0.2 s"), std::string::npos) << e.what();
+  }
+  EXPECT_LT(SecondsSince(start), 15.0);
 }
 
 }  // namespace

@@ -12,12 +12,61 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 
 namespace ringsplash {
 
+// An emulated interconnect: every ring-shift message between two different
+// ranks takes `latency_seconds + bytes / bandwidth_bytes_per_second` to
+// arrive, and the link from a rank to the next carries one message at a
+// time (bandwidth is shared by messages in flight, latency is not: a message
+// starts when the link is free, occupies it for bytes / bandwidth, and
+// arrives latency after that). It lets one machine behave like a cluster
+// with a slower network, for measuring how much communication a ring hides
+// (the overlap tests) and for checking a cost model.
+//
+// Where it applies:
+//   threads: a message starts when both ranks have posted the shift (and the
+//     link is free); the shift completes — Wait returns on both ranks — at
+//     its arrival time, or when the real copy is done if that is later. The
+//     delivery threads do the waiting, so the time passes while the ranks
+//     compute, as on a network with its own engine.
+//   mpi (for testing): the modelled time starts when the progress thread sees
+//     MPI complete the receive, and the receive is reported done only at its
+//     arrival time, so it ADDS to the real transfer and — like the data
+//     itself — advances only while the process drives progress: with
+//     RINGSPLASH_MPI_PROGRESS=wait it is exposed in full (the overlap tests'
+//     no-overlap baseline).
+// Not delayed: messages a rank sends itself (a ring of one), AllReduceSum
+// and Barrier. A delay longer than CommOptions::timeout_s makes Wait time out.
+struct LinkModel {
+  double latency_seconds = 0;             // per message; >= 0
+  double bandwidth_bytes_per_second = 0;  // > 0, or 0 for unlimited
+  // Seconds a message of `bytes` occupies the link (bytes / bandwidth; 0
+  // when unlimited) and the whole time from its start to its arrival.
+  double OccupySeconds(size_t bytes) const;
+  double MessageSeconds(size_t bytes) const { return latency_seconds + OccupySeconds(bytes); }
+  // True unless both terms are 0 (no delay at all).
+  bool active() const { return latency_seconds > 0 || bandwidth_bytes_per_second > 0; }
+  // Throws Error naming `what` unless both values are finite, latency >= 0
+  // and bandwidth >= 0.
+  void Check(const std::string& what) const;
+  // "LATENCY_US" or "LATENCY_US,GBPS": microseconds per message and
+  // gigabytes (1e9 bytes) per second, e.g. "5,25" (5 us, 25 GB/s) or "50000"
+  // (50 ms, unlimited bandwidth). Throws Error on anything else.
+  static LinkModel Parse(const std::string& text);
+  // From the environment variable RINGSPLASH_LINK (same syntax); nullopt if
+  // unset or empty. Throws Error naming the variable if it does not parse.
+  static std::optional<LinkModel> FromEnv();
+};
+
 struct CommOptions {
   double timeout_s = 60.0;  // how long a Wait may block before it is an Error
+  // The emulated link (above). Default: LinkModel::FromEnv() when the
+  // communicators are made, so RINGSPLASH_LINK reaches every program; none if
+  // unset. LinkModel{} overrides the environment with no delay.
+  std::optional<LinkModel> link;
 };
 
 class Communicator {

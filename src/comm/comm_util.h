@@ -1,15 +1,23 @@
-// Small helpers shared by the communicator backends: message formatting and
-// deadline arithmetic, so both backends report failures in the same words.
+// Small helpers shared by the communicator backends: message formatting,
+// deadline arithmetic (so both backends report failures in the same words)
+// and the emulated link's timeline.
 #ifndef RINGSPLASH_COMM_COMM_UTIL_H_
 #define RINGSPLASH_COMM_COMM_UTIL_H_
 
 #include <chrono>
+#include <cstddef>
 #include <sstream>
 #include <string>
+
+#include "ringsplash/comm.h"
 
 namespace ringsplash::comm_internal {
 
 using Clock = std::chrono::steady_clock;
+
+inline Clock::duration ToDuration(double seconds) {
+  return std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
+}
 
 // A deadline `seconds` from now; non-positive or huge values mean "a very
 // long time" rather than overflow.
@@ -30,6 +38,23 @@ inline std::string FormatSeconds(double seconds) {
 inline std::string PeerFailedMessage(int failed_rank, const std::string& reason) {
   return "rank " + std::to_string(failed_rank) + " failed: " + reason;
 }
+
+// The link model a communicator uses: options.link, else RINGSPLASH_LINK,
+// else none; throws Error if it is invalid.
+LinkModel ResolveLink(const CommOptions& options);
+
+// One directed link's timeline (LinkModel in comm.h): messages go one at a
+// time in the order scheduled. Not thread-safe: the owner serialises calls.
+class LinkClock {
+ public:
+  // A message of `bytes` that may start at `ready`: returns its arrival time
+  // (start = max(ready, link free), + bytes / bandwidth, + latency) and
+  // marks the link busy until its last byte has left.
+  Clock::time_point Schedule(const LinkModel& link, Clock::time_point ready, size_t bytes);
+
+ private:
+  Clock::time_point free_{};
+};
 
 }  // namespace ringsplash::comm_internal
 

@@ -12,6 +12,13 @@
 // Wait is blocked — the "no progress thread" baseline the overlap test
 // measures against.
 //
+// Link model (CommOptions::link, for testing): when the progress thread sees
+// a shift's receive complete, it schedules the message on the incoming
+// LinkClock and reports the receive done only once the modelled arrival has
+// passed. The modelled time thus starts only when this process drives MPI:
+// with RINGSPLASH_MPI_PROGRESS=wait it starts inside Wait and is exposed in
+// full, which is what lets the overlap tests prove they can fail.
+//
 // Failure. A rank that fails calls Abort(): it sends its reason to every peer
 // on a separate tag (non-blocking). Every process keeps a receive posted on
 // that tag and polls it, so a peer's Wait/AllReduce/Barrier throws
@@ -53,6 +60,7 @@ namespace {
 using comm_internal::Clock;
 using comm_internal::DeadlineAfter;
 using comm_internal::FormatSeconds;
+using comm_internal::LinkClock;
 using comm_internal::PeerFailedMessage;
 using Handle = Communicator::Handle;
 
@@ -122,10 +130,13 @@ struct Op {
   size_t bytes = 0;
   std::vector<float> contrib;   // all-reduce: this rank's values (owned copy)
   std::vector<float> gathered;  // all-reduce: every rank's values, rank-major
+  LinkModel link;               // shift: the emulated link (inactive: none)
   // --- progress thread only
   std::vector<MPI_Request> recv_requests, send_requests;
   std::vector<int> recv_sizes;  // bytes posted per receive request
   MPI_Request coll_request = MPI_REQUEST_NULL;
+  bool link_scheduled = false;  // the receive completed; modelled arrival set
+  Clock::time_point arrival;    // ... at this time
   // --- guarded by mu_
   bool recv_done = false;
   bool send_done = false;
@@ -167,12 +178,13 @@ class Runtime {
   int rank() const { return rank_; }
   int size() const { return size_; }
 
-  Handle StartShift(const void* send, void* recv, size_t bytes) {
+  Handle StartShift(const void* send, void* recv, size_t bytes, const LinkModel& link) {
     auto op = std::make_shared<Op>();
     op->kind = OpKind::kShift;
     op->send = send;
     op->recv = recv;
     op->bytes = bytes;
+    op->link = link;
     std::unique_lock<std::mutex> lock(mu_);
     if (failed_) ThrowFailureLocked(lock);
     op->seq = next_shift_++;
@@ -522,6 +534,15 @@ class Runtime {
       bool recv_done = false, send_done = false, done = false;
       if (op.kind == OpKind::kShift) {
         recv_done = TestList(op.recv_requests, &op.recv_sizes, &error);
+        if (recv_done && op.link.active() && size_ > 1) {
+          // The data is here; the emulated link delivers it later.
+          const Clock::time_point now = Clock::now();
+          if (!op.link_scheduled) {
+            op.arrival = in_link_.Schedule(op.link, now, op.bytes);
+            op.link_scheduled = true;
+          }
+          recv_done = now >= op.arrival;
+        }
         if (error.empty()) send_done = TestList(op.send_requests, nullptr, &error);
         done = recv_done && send_done;
       } else {
@@ -660,6 +681,7 @@ class Runtime {
   MPI_Request abort_recv_ = MPI_REQUEST_NULL;
   std::vector<char> abort_in_, abort_out_;
   std::vector<std::shared_ptr<Op>> graveyard_;  // progress thread only
+  LinkClock in_link_;                           // progress thread only: from rank-1
   Clock::duration poll_interval_{};
   bool progress_in_wait_only_ = false;
   std::thread thread_;
@@ -689,7 +711,8 @@ class Runtime {
 
 class MpiComm final : public Communicator {
  public:
-  MpiComm(Runtime* rt, const CommOptions& options) : rt_(rt), options_(options) {}
+  MpiComm(Runtime* rt, const CommOptions& options, const LinkModel& link)
+      : rt_(rt), options_(options), link_(link) {}
   int rank() const override { return rt_->rank(); }
   int size() const override { return rt_->size(); }
   const char* backend() const override { return "mpi"; }
@@ -698,7 +721,7 @@ class MpiComm final : public Communicator {
     // communicator usable for the Abort that follows the throw.
     Check(send != nullptr || bytes == 0, "StartShift: send is null but bytes = ", bytes);
     Check(recv != nullptr || bytes == 0, "StartShift: recv is null but bytes = ", bytes);
-    return rt_->StartShift(send, recv, bytes);
+    return rt_->StartShift(send, recv, bytes, link_);
   }
   void Wait(Handle handle) override { rt_->Wait(handle, options_.timeout_s); }
   void AllReduceSum(float* data, size_t count) override {
@@ -711,6 +734,7 @@ class MpiComm final : public Communicator {
  private:
   Runtime* rt_;
   CommOptions options_;
+  LinkModel link_;
 };
 
 }  // namespace
@@ -719,8 +743,10 @@ bool MpiAvailable() { return true; }
 
 std::unique_ptr<Communicator> MakeMpiCommunicator(const CommOptions& options) {
   Check(options.timeout_s > 0, "CommOptions::timeout_s must be > 0, got ", options.timeout_s);
+  // Before MPI is touched: a bad link model is not a final failure.
+  const LinkModel link = comm_internal::ResolveLink(options);
   Runtime& rt = Runtime::Get(options.timeout_s);
-  return std::make_unique<MpiComm>(&rt, options);
+  return std::make_unique<MpiComm>(&rt, options, link);
 }
 
 }  // namespace ringsplash

@@ -9,6 +9,13 @@
 // both ranks keep computing — so the transfer overlaps compute as it would on
 // a network. Shifts therefore complete in the order started.
 //
+// Link model (CommOptions::link): at the match, the message is scheduled on
+// the sender's outgoing LinkClock; the delivery thread copies at once, then
+// holds the completion back until the modelled arrival, sleeping on the
+// world's condition variable (so an abort or the end of the world wakes it).
+// The ranks meanwhile compute: an emulated slow network that overlaps like a
+// real one with its own transfer engine.
+//
 // Failure: Abort() marks the world failed, drops copy jobs not yet started and
 // waits for the (bounded) copies in progress, so that once Abort returns no
 // thread touches any rank's buffers again — a rank may then unwind and free
@@ -41,6 +48,7 @@ namespace {
 using comm_internal::Clock;
 using comm_internal::DeadlineAfter;
 using comm_internal::FormatSeconds;
+using comm_internal::LinkClock;
 using comm_internal::PeerFailedMessage;
 using Handle = Communicator::Handle;
 
@@ -49,8 +57,8 @@ constexpr uint8_t kRecvDone = 2;
 
 class World {
  public:
-  World(int num_ranks, const CommOptions& options)
-      : options_(options), ranks_(static_cast<size_t>(num_ranks)) {
+  World(int num_ranks, const CommOptions& options, const LinkModel& link)
+      : options_(options), link_(link), ranks_(static_cast<size_t>(num_ranks)) {
     copiers_.reserve(ranks_.size());
     for (int r = 0; r < num_ranks; ++r) copiers_.emplace_back([this, r] { DeliveryLoop(r); });
   }
@@ -219,6 +227,8 @@ class World {
     const void* src;
     void* dst;
     size_t bytes;
+    bool delayed;               // by the link model: complete no earlier than `arrival`
+    Clock::time_point arrival;  // modelled arrival (when delayed)
   };
   struct RankState {
     int64_t shifts_started = 0;
@@ -227,6 +237,7 @@ class World {
     std::map<int64_t, Post> unmatched_recvs;    // from rank-1, send not posted yet
     std::unordered_map<int64_t, uint8_t> done;  // started, not yet waited: kSendDone|kRecvDone
     std::deque<CopyJob> jobs;                   // copies INTO this rank, in order
+    LinkClock out_link;                         // the link to rank+1 (link model)
     bool finished = false;                      // its function returned or threw
   };
   struct Collective {
@@ -245,7 +256,12 @@ class World {
                         std::to_string(src_bytes) + " bytes but rank " + std::to_string(to) +
                         " expects " + std::to_string(dst_bytes));
     }
-    ranks_[to].jobs.push_back(CopyJob{seq, from, to, src, dst, src_bytes});
+    // Both sides are posted now: the message may start (a ring of one sends
+    // to itself, over no link).
+    const bool delayed = link_.active() && from != to;
+    const Clock::time_point arrival =
+        delayed ? ranks_[from].out_link.Schedule(link_, Clock::now(), src_bytes) : Clock::now();
+    ranks_[to].jobs.push_back(CopyJob{seq, from, to, src, dst, src_bytes, delayed, arrival});
   }
 
   // One per rank: copies arriving data into that rank's receive buffers.
@@ -263,6 +279,13 @@ class World {
       if (job.bytes > 0) std::memcpy(job.dst, job.src, job.bytes);
       lock.lock();
       --copies_in_progress_;
+      if (job.delayed) {
+        // The data is in place; the shift completes at its modelled arrival.
+        // Jobs of this queue arrive in order (one link, one message at a time).
+        cv_.wait_until(lock, job.arrival, [&] { return stopping_ || aborted_; });
+        if (stopping_) return;
+        if (aborted_) continue;
+      }
       ranks_[job.from].done[job.seq] |= kSendDone;
       ranks_[job.to].done[job.seq] |= kRecvDone;
       cv_.notify_all();
@@ -295,6 +318,7 @@ class World {
   }
 
   const CommOptions options_;
+  const LinkModel link_;
   std::mutex mu_;
   std::condition_variable cv_;
   bool stopping_ = false;
@@ -346,7 +370,7 @@ void RunThreadRanks(int num_ranks, const CommOptions& options,
   Check(num_ranks >= 1, "RunThreadRanks: num_ranks must be >= 1, got ", num_ranks);
   Check(options.timeout_s > 0, "CommOptions::timeout_s must be > 0, got ", options.timeout_s);
   Check(static_cast<bool>(fn), "RunThreadRanks: fn is empty");
-  World world(num_ranks, options);
+  World world(num_ranks, options, comm_internal::ResolveLink(options));
   std::vector<std::thread> threads;
   threads.reserve(static_cast<size_t>(num_ranks));
   for (int r = 0; r < num_ranks; ++r) {
