@@ -28,9 +28,9 @@ cmake_common=(-DCMAKE_BUILD_TYPE=RelWithDebInfo "-DCMAKE_CXX_FLAGS_RELWITHDEBINF
   -DCMAKE_CXX_COMPILER="$cxx" -DRINGSPLASH_BENCH=OFF)
 
 # The ThreadSanitizer subset: every test whose code runs on several threads.
-tsan_tests="ThreadPoolTest|InvarianceTest|FlashTest.BitwiseIdenticalAcrossThreadCounts|CommTest"
-tsan_tests+="|RingTest|RingCoveringTest|RingFaultTest|Determinism|Concurrency"
-tsan_targets=(thread_pool_test attention_test flash_kernel_test comm_test ring_test
+tsan_tests="ThreadPoolTest|InvarianceTest|FlashTest.BitwiseIdenticalAcrossThreadCounts|CommTest|LinkModelTest"
+tsan_tests+="|RingTest|RingCoveringTest|RingFaultTest|RingDefaultTiles|Determinism|Concurrency"
+tsan_targets=(thread_pool_test attention_test flash_kernel_test comm_test ring_test ring_tiles_test
   ring_fault_test determinism_test)
 
 configure_asan() {

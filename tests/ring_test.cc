@@ -6,7 +6,10 @@
 // x sinks x soft cap x segment ids crossing shards x Sq != Skv, forward and
 // backward — a covering subset in which every value of every factor appears.
 // Every case is also checked against the f64 reference. Plus: per-rank work
-// balance of the layouts, from the ring's own FLOP counts.
+// balance of the layouts, from the ring's own FLOP counts. All on 16 x 16
+// tiles with one kernel thread per rank; the default tiles with several
+// threads per rank, and bf16 on the paths that round P, are in
+// ring_tiles_test.cc.
 #include "ringsplash/ring.h"
 
 #include <algorithm>
