@@ -316,7 +316,7 @@ TEST(RingTest, EveryMaskAtEightRanks) {
 }
 
 // Six query rows per rank (48 over 8 ranks, q blocks of 16): each step's
-// forward stacks the query heads of a kv group into rows (flash_stacked.h),
+// forward stacks the query heads of a kv group into rows (decode/stacked_heads.h),
 // also when merging into the accumulators on later steps, with the
 // non-affine positions of zigzag and striped shards. Every mask, GQA and MQA,
 // sinks and segments crossing shards.

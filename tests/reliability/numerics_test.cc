@@ -210,7 +210,7 @@ void CheckAllPoisonCases(PoisonCheck check, Outputs which) {
                        which);
     }
     // 12 query rows per rank and q blocks of 32: every step's forward stacks
-    // the two query heads of each kv head into rows (flash_stacked.h).
+    // the two query heads of each kv head into rows (decode/stacked_heads.h).
     opt.block_sizes = {32, 32};
     const ApiResult api = RunRingThreads(in, opt, dout, 8, Layout::kZigzag);
     ExpectPoisonRule(in, opt, dout, api, c.name + ", ring of 8, stacked heads", check, which);
@@ -241,7 +241,7 @@ TEST(NumericsPoison, DependentGradientsAreNonFinite) {
 }
 
 // Decoding-sized calls: 4 query rows of an MQA group run stacked (one head
-// of 16 rows, flash_stacked.h), or of 4 MHA heads taken together kv tile by
+// of 16 rows, decode/stacked_heads.h), or of 4 MHA heads taken together kv tile by
 // kv tile (ForwardHeadsTogether), split over ranges of kv tiles
 // (ForwardKvSplits); one query row runs in decoding mode on the AVX-512/AVX2
 // paths (UseDecodeStep: its kernel's check is the logits and accumulators it
