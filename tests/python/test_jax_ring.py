@@ -42,6 +42,8 @@ from ringsplash.jax import (make_ring_attention, make_splash_attention,  # noqa:
 from ringsplash.jax.ring import _positions  # noqa: E402
 from ringsplash.masks import (CausalMask, ChunkedCausalMask, LocalMask,  # noqa: E402
                               MultiHeadMask, NumpyMask)
+from checks import assert_close as _assert_close  # noqa: E402
+from checks import f64 as _f64  # noqa: E402
 
 if hasattr(jax, "shard_map"):
     _shard_map = jax.shard_map
@@ -80,23 +82,7 @@ def _mesh(n):
 # --------------------------------------------------------------------------
 # Checking against the reference.
 
-def _f64(x):
-    return None if x is None else np.asarray(x).astype(np.float64)
 
-
-def _assert_close(name, got, want, atol, rtol=0.0):
-    got = np.asarray(got).astype(np.float64)
-    assert got.shape == want.shape, f"{name}: shape {got.shape} != {want.shape}"
-    assert not np.isnan(got).any(), f"{name}: NaN in result"
-    np.testing.assert_array_equal(np.isneginf(got), np.isneginf(want),
-                                  err_msg=f"{name}: -inf pattern differs")
-    fin = np.isfinite(want)
-    err = np.abs(got[fin] - want[fin])
-    bound = atol + rtol * np.abs(want[fin])
-    if err.size and not np.all(err <= bound):
-        i = np.argmax(err - bound)
-        raise AssertionError(f"{name}: error {err[i]:.3g} > bound {bound[i]:.3g} "
-                             f"(max error {err.max():.3g}, atol {atol:.3g})")
 
 
 def _check(case, out, lse, grads, low_precision=False):

@@ -32,29 +32,15 @@ from ringsplash import reference as R  # noqa: E402
 from ringsplash.jax import make_splash_attention  # noqa: E402
 from ringsplash.masks import (CausalMask, ChunkedCausalMask, FullMask, LocalMask,  # noqa: E402
                               MultiHeadMask, NumpyMask)
+from checks import assert_close as _assert_close  # noqa: E402
+from checks import f64 as _f64  # noqa: E402
 
 BF16 = ml_dtypes.bfloat16
 F32_OUT = 1e-5
 F32_GRAD = 2e-5
 
 
-def _f64(x):
-    return None if x is None else np.asarray(x).astype(np.float64)
 
-
-def _assert_close(name, got, want, atol, rtol=0.0):
-    got = np.asarray(got).astype(np.float64)
-    assert got.shape == want.shape, f"{name}: shape {got.shape} != {want.shape}"
-    assert not np.isnan(got).any(), f"{name}: NaN in result"
-    np.testing.assert_array_equal(np.isneginf(got), np.isneginf(want),
-                                  err_msg=f"{name}: -inf pattern differs")
-    fin = np.isfinite(want)
-    err = np.abs(got[fin] - want[fin])
-    bound = atol + rtol * np.abs(want[fin])
-    if err.size and not np.all(err <= bound):
-        i = np.argmax(err - bound)
-        raise AssertionError(f"{name}: error {err[i]:.3g} > bound {bound[i]:.3g} "
-                             f"(max error {err.max():.3g}, atol {atol:.3g})")
 
 
 def _make(rng, B=2, Sq=64, Skv=64, H=4, Hkv=2, D=32, Dv=32, dtype=np.float32, lead=()):

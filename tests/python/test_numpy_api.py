@@ -53,6 +53,8 @@ import ringsplash as rs
 from ringsplash import reference as R
 from ringsplash.masks import (CausalMask, ChunkedCausalMask, FullMask, LocalMask, MultiHeadMask,
                               NumpyMask)
+from checks import assert_close as _assert_close  # noqa: E402
+from checks import f64 as _f64  # noqa: E402
 
 BF16 = ml_dtypes.bfloat16
 F32_OUT = 1e-5
@@ -73,23 +75,7 @@ def _make(rng, B=2, Sq=64, Skv=64, H=4, Hkv=2, D=32, Dv=32, dtype=np.float32, qs
     return q, k, v, dout
 
 
-def _f64(x):
-    return None if x is None else np.asarray(x).astype(np.float64)
 
-
-def _assert_close(name, got, want, atol, rtol=0.0):
-    got = np.asarray(got).astype(np.float64)
-    assert got.shape == want.shape, f"{name}: shape {got.shape} != {want.shape}"
-    assert not np.isnan(got).any(), f"{name}: NaN in result"
-    np.testing.assert_array_equal(np.isneginf(got), np.isneginf(want),
-                                  err_msg=f"{name}: -inf pattern differs")
-    fin = np.isfinite(want)
-    err = np.abs(got[fin] - want[fin])
-    bound = atol + rtol * np.abs(want[fin])
-    if err.size and not np.all(err <= bound):
-        i = np.argmax(err - bound)
-        raise AssertionError(f"{name}: max excess at flat index {i}: error {err[i]:.3g} > bound "
-                             f"{bound[i]:.3g} (max error {err.max():.3g}, atol {atol:.3g})")
 
 
 _SAME = object()

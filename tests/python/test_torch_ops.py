@@ -52,6 +52,7 @@ import ringsplash.torch as rt  # noqa: E402
 from ringsplash import reference as R  # noqa: E402
 from ringsplash.masks import (CausalMask, ChunkedCausalMask, FullMask, LocalMask,  # noqa: E402
                               MultiHeadMask, NumpyMask)
+from checks import assert_close as _assert_close  # noqa: E402
 
 F32_OUT = 1e-5
 F32_GRAD = 2e-5
@@ -77,19 +78,6 @@ def _np64(t, layout="bshd"):
     return a.numpy()
 
 
-def _assert_close(name, got, want, atol, rtol=0.0):
-    got = np.asarray(got, dtype=np.float64)
-    assert got.shape == want.shape, f"{name}: shape {got.shape} != {want.shape}"
-    assert not np.isnan(got).any(), f"{name}: NaN in result"
-    np.testing.assert_array_equal(np.isneginf(got), np.isneginf(want),
-                                  err_msg=f"{name}: -inf pattern differs")
-    fin = np.isfinite(want)
-    err = np.abs(got[fin] - want[fin])
-    bound = atol + rtol * np.abs(want[fin])
-    if err.size and not np.all(err <= bound):
-        i = np.argmax(err - bound)
-        raise AssertionError(f"{name}: error {err[i]:.3g} > bound {bound[i]:.3g} "
-                             f"(max error {err.max():.3g}, atol {atol:.3g})")
 
 
 def _make(seed, B=2, Sq=64, Skv=64, H=4, Hkv=2, D=32, Dv=32, dtype=torch.float32,
