@@ -112,7 +112,7 @@ def attention(q, k, v, *, mask=None, scale=None, logits_soft_cap=None, sinks=Non
       scale: logit scale, default ``1/sqrt(D)``.
       logits_soft_cap: ``s -> cap * tanh(s / cap)`` before masking.
       sinks: float ``[H]``: one extra logit per head in every row's softmax
-        denominator that contributes no value (finite values).
+        denominator that contributes no value (-inf: no sink for that head).
       q_segment_ids, kv_segment_ids: int ``[B, Sq]`` / ``[B, Skv]``, both or neither.
       return_lse: also return the log-sum-exp ``[B, H, Sq]`` float32 (natural log,
         sinks included; ``-inf`` for a row with no allowed key, whose out is 0).
