@@ -43,7 +43,6 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-sys.path.insert(0, os.path.join(ROOT, "python"))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402

@@ -403,8 +403,12 @@ def _read(path):
 
 def _run_group(n, outdir):
     env = dict(os.environ)
+    # The workers import the ringsplash this process imported (the installed
+    # package in CI, the source tree where PYTHONPATH points there).
+    spec = importlib.util.find_spec("ringsplash")
+    package_root = os.path.dirname(os.path.dirname(os.path.abspath(spec.origin)))
     env["PYTHONPATH"] = os.pathsep.join(
-        [os.path.join(REPO, "python")] + [p for p in [env.get("PYTHONPATH")] if p])
+        [package_root] + [p for p in [env.get("PYTHONPATH")] if p])
     env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
                OMP_NUM_THREADS="1", RINGSPLASH_NUM_THREADS="1", WORLD_SIZE=str(n))
     if os.path.exists("/sys/class/net/lo"):  # Linux: gloo's own sockets on loopback too
