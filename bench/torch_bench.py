@@ -38,7 +38,6 @@ import json
 import os
 import statistics
 import subprocess
-import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
