@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any, NamedTuple
 
 from ._errors import InvalidArgumentError
@@ -57,3 +58,11 @@ def as_num_threads(num_threads) -> int:
     if n < 0:
         raise InvalidArgumentError(f"num_threads: expected >= 0 (0: all cores), got {num_threads}")
     return n
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity), at least 1."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1

@@ -20,6 +20,7 @@ import numpy as np
 
 from .. import _core
 from .._errors import Error, InvalidArgumentError
+from .._types import usable_cores
 
 _register_lock = threading.Lock()
 _registered = False
@@ -42,13 +43,6 @@ def _register() -> None:
         _registered = True
 
 
-def _cpu_count() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
-
-
 def default_num_threads() -> int:
     """Kernel threads per FFI call: this process's cores shared among its CPU devices.
 
@@ -68,7 +62,7 @@ def default_num_threads() -> int:
         if n < 1:
             raise InvalidArgumentError(f"RINGSPLASH_NUM_THREADS: expected >= 1, got {n}")
         return n
-    return max(1, _cpu_count() // max(1, jax.local_device_count(backend="cpu")))
+    return max(1, usable_cores() // max(1, jax.local_device_count(backend="cpu")))
 
 
 # Varying manual axes (shard_map's check_vma). Inside shard_map every value is

@@ -55,7 +55,8 @@ def _sdpa_mask_id(is_causal: bool, left: int, right: int) -> int:
     return _SDPA_MASKS[key].registry_id
 
 
-def _check_tensor(x, name: str):
+def check_tensor(x, name: str, dims: str = "4 dims"):
+    """A CPU tensor of a float dtype the kernels take, of rank 4 (``dims`` says which)."""
     if not isinstance(x, torch.Tensor):
         raise InvalidArgumentError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
     if x.device.type != "cpu":
@@ -64,7 +65,7 @@ def _check_tensor(x, name: str):
     if x.dtype not in _DTYPES:
         raise DTypeError(f"{name}: expected float32, bfloat16 or float16, got {x.dtype}")
     if x.dim() != 4:
-        raise InvalidArgumentError(f"{name}: expected 4 dims, got shape {tuple(x.shape)}")
+        raise InvalidArgumentError(f"{name}: expected {dims}, got shape {tuple(x.shape)}")
 
 
 def _to_bshd(x, layout: str):
@@ -107,7 +108,7 @@ def attention(q, k, v, *, mask=None, scale: Optional[float] = None,
     if layout not in ("bshd", "bhsd"):
         raise InvalidArgumentError(f"layout: expected 'bshd' or 'bhsd', got {layout!r}")
     for name, x in (("q", q), ("k", k), ("v", v)):
-        _check_tensor(x, name)
+        check_tensor(x, name)
     if not (q.dtype == k.dtype == v.dtype):
         raise DTypeError(f"q, k, v: expected one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     qb, kb, vb = (_to_bshd(x, layout) for x in (q, k, v))
@@ -187,7 +188,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: f
             logits_soft_cap=logits_soft_cap, sinks=sinks)
         return out[0]
     for name, x in (("query", query), ("key", key), ("value", value)):
-        _check_tensor(x, name)
+        check_tensor(x, name)
     if dropout_p != 0.0:
         raise InvalidArgumentError(
             f"dropout_p: ringsplash has no attention dropout, got {dropout_p} (use 0.0)")

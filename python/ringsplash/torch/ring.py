@@ -62,12 +62,12 @@ import torch.distributed as dist
 
 from .. import layouts as _layouts
 from .._errors import DTypeError, InvalidArgumentError
-from .._types import as_block_sizes, as_num_threads
+from .._types import as_block_sizes, as_num_threads, usable_cores
 from . import _ops
+from ._api import check_tensor as _check_tensor
 
 __all__ = ["ring_attention", "shard_sequence", "gather_sequence"]
 
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 # p2p tags: K/V slices (and their segment ids) and the travelling dK/dV
 # accumulators are separate message streams between the same two ranks.
@@ -201,20 +201,6 @@ def _add_sinks(out, lse, sinks):
 # --------------------------------------------------------------------------
 # Validation and the cross-rank agreement check.
 
-def _check_tensor(x, name):
-    if not isinstance(x, torch.Tensor):
-        raise InvalidArgumentError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
-    if x.device.type != "cpu":
-        raise InvalidArgumentError(
-            f"{name}: expected a CPU tensor, got one on {x.device} (ringsplash runs on CPUs)")
-    if x.dtype not in _DTYPES:
-        raise DTypeError(f"{name}: expected float32, bfloat16 or float16, got {x.dtype}")
-    if x.dim() != 4:
-        raise InvalidArgumentError(
-            f"{name}: expected this rank's [B, S/N, H, D] slice (4 dims), got shape "
-            f"{tuple(x.shape)}")
-
-
 def _local_segments(ids, name, batch, length):
     if not isinstance(ids, torch.Tensor):
         ids = torch.as_tensor(np.asarray(ids))
@@ -270,7 +256,7 @@ def _prepare(q, k, v, rank, n, layout, mask, scale, logits_soft_cap, sinks, q_se
             f"{', '.join(_layouts.LAYOUTS)}")
     signature["layout"] = layout
     for name, x in (("q", q), ("k", k), ("v", v)):
-        _check_tensor(x, name)
+        _check_tensor(x, name, "this rank's [B, S/N, H, D] slice (4 dims)")
     signature["shapes (local q, k, v)"] = (tuple(q.shape), tuple(k.shape), tuple(v.shape))
     signature["dtypes"] = (str(q.dtype), str(k.dtype), str(v.dtype))
     if not (q.dtype == k.dtype == v.dtype):
@@ -548,10 +534,7 @@ class _RingAttention(torch.autograd.Function):
 @torch.compiler.disable
 def _default_num_threads() -> int:
     """Cores this process may use, shared among the ranks torchrun put on this machine."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cores = os.cpu_count() or 1
+    cores = usable_cores()
     try:
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     except ValueError:
