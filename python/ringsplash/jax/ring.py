@@ -329,7 +329,6 @@ class RingAttentionKernel:
             kv_pos = _to_varying(_positions(layout, plan.lkv, src, n), vma)
             o, l = forward_call(q, k_cur, v_cur, kv_segment_ids=ks_cur, q_positions=q_pos,
                                 kv_positions=kv_pos, out_dtype=jnp.float32, **common)
-            o, l = _to_varying(o, vma), _to_varying(l, vma)
             out, lse = (o, l) if out is None else _merge(out, lse, o, l)
             if t < n - 1:
                 k_cur, v_cur, ks_cur = nxt
@@ -386,7 +385,6 @@ class RingAttentionKernel:
             dq_t, dk_t, dv_t, _ = backward_call(
                 q, k_cur, v_cur, out, lse, dout, dlse=dlse_run, kv_segment_ids=ks_cur,
                 q_positions=q_pos, kv_positions=kv_pos, grad_dtype=jnp.float32, **common)
-            dq_t, dk_t, dv_t = (_to_varying(x, vma) for x in (dq_t, dk_t, dv_t))
             dq = dq_t if dq is None else dq + dq_t
             # dK/dV of the visiting slice: its accumulators travel with it; the
             # shift after the last step sends them home (slice r+1 is here then).
