@@ -189,35 +189,6 @@ kernels::PairRule RuleOf(const AttentionInputs& in, const AttentionOptions& opt,
   return rule;
 }
 
-// Cleaned copies of the poisoned inputs, pointed to by the kernel params.
-struct CleanInputs {
-  Tensor q, k, v;
-  void Apply(const kernels::InputScan& scan, Prepared& pr) {
-    if (scan.any_q) {
-      q = kernels::CleanCopy(pr.params.q);
-      pr.params.q = q.view();
-    }
-    if (scan.any_kv) {
-      k = kernels::CleanCopy(pr.params.k);
-      v = kernels::CleanCopy(pr.params.v);
-      pr.params.k = k.view();
-      pr.params.v = v.view();
-    }
-  }
-};
-
-// Rows [B, H, Sq] whose lse / out depend on a poisoned q, k or v.
-void ForwardPoison(const AttentionInputs& in, const AttentionOptions& opt, const Prepared& pr,
-                   const kernels::InputScan& scan, std::vector<char>& lse_p,
-                   std::vector<char>& out_p) {
-  const AttentionDims& d = pr.dims;
-  lse_p.assign(static_cast<size_t>(d.b * d.h * d.sq), 0);
-  out_p.assign(lse_p.size(), 0);
-  kernels::MarkForward(RuleOf(in, opt, pr), d, scan.any_kv ? scan.kv.data() : nullptr,
-                       scan.any_q ? scan.q.data() : nullptr, lse_p.data(), out_p.data());
-  for (size_t r = 0; r < lse_p.size(); ++r) out_p[r] |= lse_p[r];
-}
-
 }  // namespace
 
 void ReleaseCachedThreads() { PoolCache::Get().Clear(); }
@@ -259,11 +230,15 @@ void AttentionForward(const AttentionInputs& in, const AttentionOptions& opt, Te
     kernels::FlashForward(pr.params, lease.pool(), out32->get(), lse32.get(), &local);
   }
   pr.params.non_finite = nullptr;
-  kernels::InputScan scan;
-  CleanInputs clean;
+  std::optional<kernels::ForwardPoison> poison;
+  std::optional<kernels::KeyValueScan> kv;
   if (met_non_finite.load()) {
-    scan = kernels::ScanInputs(in.q, in.k, in.v, &lease.pool());
-    if (scan.any()) clean.Apply(scan, pr);
+    poison.emplace(dims, in.q, &lease.pool());
+    kv.emplace(in.k, in.v, &lease.pool());
+    pr.params.q = poison->q();
+    pr.params.k = kv->k();
+    pr.params.v = kv->v();
+    poison->AddKeys(RuleOf(in, opt, pr), kv->flags());
     redo = true;
   }
   if (redo) {
@@ -275,12 +250,7 @@ void AttentionForward(const AttentionInputs& in, const AttentionOptions& opt, Te
   if (!pr.sinks.empty() && out32) {
     kernels::ApplySinks(RowShapeOf(dims), out32->get(), lse32.get(), pr.sinks.data());
   }
-  if (scan.any()) {
-    std::vector<char> lse_p, out_p;
-    ForwardPoison(in, opt, pr, scan, lse_p, out_p);
-    kernels::FillQueryRows(out32->get(), dims, dims.dv, out_p.data());
-    kernels::FillRows(lse32.get(), static_cast<int64_t>(lse_p.size()), 1, lse_p.data());
-  }
+  if (poison) poison->Fill(out32->get(), lse32.get());
   if (out32) out32->Finish();
   lse32.Finish();
   if (stats != nullptr) *stats = local;
@@ -294,63 +264,33 @@ void AttentionBackward(const AttentionInputs& in, const AttentionOptions& opt, T
   Prepared pr;
   Prepare(in, opt, dims, pr);
   PoolLease lease(opt.num_threads);  // the input scans use it too
-  const kernels::InputScan scan = kernels::ScanInputs(in.q, in.k, in.v, &lease.pool());
-  std::vector<char> dout_bad, out_bad;
-  const bool any_dout = kernels::ScanRows(dout, 1, dout_bad, &lease.pool());
-  const bool any_out = kernels::ScanRows(out, 1, out_bad, &lease.pool());
-  const auto rows = static_cast<size_t>(dims.b * dims.h * dims.sq);
-  // lse rows [B, H, Sq] that are poisoned: given as NaN/+inf, or (below)
-  // depending on a poisoned q, k or v.
-  std::vector<char> lse_bad(rows, 0);
-  const bool any_lse = kernels::ScanLse(dims, lse, lse_bad.data());
-  const bool poisoned = scan.any() || any_dout || any_out || any_lse;
-
-  // Poison sets [B, H, Sq]: pr_rows (PR: out poisoned or bad dout; dq, dk,
-  // dsinks) and dv_src (lse poisoned or bad dout; dv).
-  std::vector<char> pr_rows, dv_src;
-  CleanInputs clean;
-  Tensor clean_dout;
-  if (poisoned) {
-    std::vector<char> lse_p, out_p;
-    ForwardPoison(in, opt, pr, scan, lse_p, out_p);
-    for (size_t r = 0; r < rows; ++r) lse_bad[r] |= lse_p[r];
-    pr_rows.assign(rows, 0);
-    dv_src.assign(rows, 0);
-    kernels::BackwardSets(dims, lse_bad.data(), out_p.data(), out_bad, dout_bad, pr_rows.data(),
-                          dv_src.data());
-    clean.Apply(scan, pr);
-    if (any_dout) {
-      clean_dout = kernels::CleanCopy(dout);
-      dout = clean_dout.view();
-    }
-  }
+  // Non-finite inputs (poison.h): the forward's dependencies are recomputed
+  // from q, k and v (this call sees every key), the rest follows from out,
+  // lse and dout.
+  kernels::ForwardPoison forward_poison(dims, in.q, &lease.pool());
+  const kernels::KeyValueScan kv(in.k, in.v, &lease.pool());
+  const kernels::PairRule rule = RuleOf(in, opt, pr);
+  forward_poison.AddKeys(rule, kv.flags());
+  const kernels::BackwardPoison poison(dims, in.q, out, lse, dout, &lease.pool(), &forward_poison);
+  pr.params.q = poison.q();
+  pr.params.k = kv.k();
+  pr.params.v = kv.v();
+  dout = poison.dout();
 
   // delta [B, H, Sq] = rowsum(dout * out), from the caller's (possibly
   // rounded) out — the quantity the softmax backward needs for that out.
-  // A non-finite delta belongs to a PR row, whose every dependant is
-  // overwritten below: 0 keeps the kernels finite.
+  const auto rows = static_cast<size_t>(dims.b * dims.h * dims.sq);
   std::vector<float> delta(rows);
   kernels::ComputeDelta(dout, out, delta.data());
-  if (poisoned) {
-    for (float& x : delta) {
-      if (!std::isfinite(x)) x = 0.0f;
-    }
-  }
 
-  // The kernels read lse as contiguous f32 [B, H, Sq]. Rows with a poisoned
-  // lse get -inf, the kernels' "no key" marker: P = 0, so they contribute
-  // nothing (their dependants are NaN-filled below).
+  // The kernels read lse as contiguous f32 [B, H, Sq]; poisoned rows and
+  // non-finite deltas are neutralised there (BackwardPoison::Sanitize).
   Tensor lse_copy;
   const float* lse32 = static_cast<const float*>(lse.data);
-  if (!IsF32Contiguous(lse) || poisoned) {
+  if (!IsF32Contiguous(lse) || poison.any()) {
     lse_copy = Tensor(DType::kF32, {dims.b, dims.h, dims.sq});
     CopyConvert(lse, lse_copy.view());
-    if (poisoned) {
-      float* l = lse_copy.data_as<float>();
-      for (size_t r = 0; r < rows; ++r) {
-        if (lse_bad[r] != 0) l[r] = -std::numeric_limits<float>::infinity();
-      }
-    }
+    poison.Sanitize(lse_copy.data_as<float>(), delta.data());
     lse32 = lse_copy.data_as<float>();
   }
 
@@ -360,15 +300,8 @@ void AttentionBackward(const AttentionInputs& in, const AttentionOptions& opt, T
   KernelStats local;
   kernels::FlashBackward(pr.params, lease.pool(), dout, lse32, delta.data(), dq32.get(), dk32.get(),
                          dv32.get(), &local);
-  if (poisoned) {
-    const auto keys = static_cast<size_t>(dims.b * dims.skv * dims.hkv);
-    std::vector<char> dk_p(keys, 0), dv_p(keys, 0);
-    kernels::MarkBackward(RuleOf(in, opt, pr), dims, pr_rows.data(), dv_src.data(), dk_p.data(),
-                          dv_p.data());
-    kernels::FillQueryRows(dq32.get(), dims, dims.d, pr_rows.data());
-    kernels::FillRows(dk32.get(), static_cast<int64_t>(keys), dims.d, dk_p.data());
-    kernels::FillRows(dv32.get(), static_cast<int64_t>(keys), dims.dv, dv_p.data());
-  }
+  poison.FillKeys(rule, dk32.get(), dv32.get());
+  poison.FillQueries(dq32.get());
   dq32.Finish();
   dk32.Finish();
   dv32.Finish();
@@ -376,7 +309,7 @@ void AttentionBackward(const AttentionInputs& in, const AttentionOptions& opt, T
   if (!pr.sinks.empty()) {
     std::vector<float> ds(static_cast<size_t>(dims.h), 0.0f);
     kernels::AccumulateDSinks(RowShapeOf(dims), pr.sinks.data(), lse32, delta.data(), ds.data());
-    if (poisoned) kernels::PoisonDSinks(dims, pr_rows.data(), ds.data());
+    poison.FillDSinks(ds.data());
     for (int64_t h = 0; h < dims.h; ++h) StoreFromF32(dsinks, h * dsinks.stride[0], ds[h]);
   }
   if (stats != nullptr) *stats = local;

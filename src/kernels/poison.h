@@ -44,35 +44,10 @@ constexpr char kValueBad = 2;
 // Whether element `offset` of a float view (f32, bf16, f16) is NaN or +-inf.
 bool NonFiniteAt(const TensorView& t, int64_t offset);
 
-// Rows of a 4-D float view [B, S, Heads, X]: flags[(b * S + s) * Heads + head]
-// |= `bit` when that row holds a non-finite element. `flags` is resized (to
-// zeros) when empty. Returns whether any row was flagged. With a pool, large
-// views are scanned by all its workers (the scan is memory-bound: one pass
-// over every input byte of every call).
-bool ScanRows(const TensorView& t, char bit, std::vector<char>& flags, ThreadPool* pool = nullptr);
-
 // Whether rows [s0, s0 + rows) of head `head` of batch b of a 4-D float view
-// [B, S, Heads, X] hold a NaN or an infinity.
+// [B, S, Heads, X] hold a NaN or an infinity. (The kernels' own check of the
+// rows they read, FlashParams::non_finite.)
 bool AnyNonFinite(const TensorView& t, int64_t b, int64_t s0, int64_t rows, int64_t head);
-
-// Non-finite rows of the inputs of one call (or one rank's part of it).
-struct InputScan {
-  std::vector<char> q;   // [B, Sq, H]
-  std::vector<char> kv;  // [B, Skv, Hkv]: kKeyBad | kValueBad
-  bool any_q = false, any_kv = false;
-  bool any() const { return any_q || any_kv; }
-};
-
-// Scans q, k, v (4-D float views; k and v may be undefined: not scanned).
-InputScan ScanInputs(const TensorView& q, const TensorView& k, const TensorView& v,
-                     ThreadPool* pool = nullptr);
-
-// A contiguous copy of the 4-D float view `t`, same dtype, with every
-// non-finite element replaced by 0.
-Tensor CleanCopy(const TensorView& t);
-
-// Replaces every non-finite element of the contiguous float view `t` by 0.
-void CleanInPlace(const TensorView& t);
 
 // Which (query row, key row) pairs are allowed: the mask on positions and
 // equal segment ids. The views may be undefined (no segment ids).
@@ -85,43 +60,122 @@ struct PairRule {
   bool Allowed(int64_t b, int64_t head, int64_t i, int64_t j) const;
 };
 
-// Forward dependencies on one set of key/value rows (the whole key sequence,
-// or one ring slice of it; `d.skv` is its length): a row [B, H, Sq] gets
-// lse_p when it allows a row flagged kKeyBad, or when q_bad ([B, Sq, H], may
-// be null) flags it and it allows any row; out_p when it allows a row
-// flagged kValueBad. `kv_flags` is [B, Skv, Hkv] (may be null: no bad rows).
-void MarkForward(const PairRule& rule, const AttentionDims& d, const char* kv_flags,
-                 const char* q_bad, char* lse_p, char* out_p);
+// The rule's whole interface is the three pieces below, used the same way by
+// the single-device entry points (attention.cc: one key/value set, the whole
+// sequence) and by the ring (one set per ring step, a slice):
+//   KeyValueScan / CleanKeyValuesInPlace  step 1-2 for k and v;
+//   ForwardPoison                         step 1-2 for q, step 3 forward;
+//   BackwardPoison                        steps 1-3 backward.
+// In the normal case (nothing non-finite) each costs one scan and allocates
+// nothing else.
 
-// Backward dependencies on one set of key/value rows: dk_p[b,j,g] when a
-// row of `pr` ([B, H, Sq]) allows j, dv_p[b,j,g] when a row of `dv_src`
-// allows j. Outputs [B, Skv, Hkv].
-void MarkBackward(const PairRule& rule, const AttentionDims& d, const char* pr, const char* dv_src,
-                  char* dk_p, char* dv_p);
+// Step 1-2 for a set of key/value rows held contiguously (a ring slice, just
+// packed): flags ([B, Skv, Hkv], resized to zeros) get kKeyBad / kValueBad
+// for rows of k / v holding a NaN or an infinity, and those elements are
+// replaced by 0. Returns whether any row was flagged.
+bool CleanKeyValuesInPlace(const TensorView& k, const TensorView& v, std::vector<char>& flags);
 
-// Backward: lse rows [B, H, Sq] (a [B, H, Sq] view) that are NaN or +inf
-// get flags[r] = 1 (-inf is an empty row, not poison). Returns whether any did.
-bool ScanLse(const AttentionDims& d, const TensorView& lse, char* flags);
+// Step 1-2 for the caller's k and v ([B, Skv, Hkv, D] and [..., Dv], any
+// strides): scans them and, when a row is not finite, makes cleaned copies.
+class KeyValueScan {
+ public:
+  KeyValueScan(const TensorView& k, const TensorView& v, ThreadPool* pool);
+  bool any() const { return any_; }
+  // The row flags [B, Skv, Hkv] (kKeyBad | kValueBad), or null when no row
+  // is flagged (what ForwardPoison::AddKeys takes).
+  const char* flags() const { return any_ ? flags_.data() : nullptr; }
+  // The views the kernels read: cleaned copies when any(), else k and v.
+  const TensorView& k() const { return k_; }
+  const TensorView& v() const { return v_; }
 
-// Backward poison sets of rows [B, H, Sq] (the table in docs/RELIABILITY.md):
-//   pr[r]     = lse_p | out_p | out_bad | dout_bad   (dq, dk, dsinks)
-//   dv_src[r] = lse_p | dout_bad                     (dv)
-// lse_p and out_p are [B, H, Sq] (out_p may be null); out_bad and dout_bad
-// are ScanRows flags [B, Sq, H] (may be empty: none bad).
-void BackwardSets(const AttentionDims& d, const char* lse_p, const char* out_p,
-                  const std::vector<char>& out_bad, const std::vector<char>& dout_bad, char* pr,
-                  char* dv_src);
+ private:
+  std::vector<char> flags_;
+  bool any_ = false;
+  Tensor k_own_, v_own_;
+  TensorView k_, v_;
+};
 
-// ds[h] = NaN for every head h with a row flagged in `pr` ([B, H, Sq]).
-void PoisonDSinks(const AttentionDims& d, const char* pr, float* ds);
+// Steps 1-3 of a forward over this call's (or this rank's) query rows:
+//   ForwardPoison fp(d, q, pool);       // scans q; q() is what kernels read
+//   for each key/value set the rows see (cleaned, with its row flags):
+//     fp.AddKeys(rule, flags);          // rule: this set's positions
+//   ... kernels, merges, sinks ...
+//   fp.Fill(out, lse);                  // NaN over the dependent rows
+// `d` gives the query side (b, sq, h, dv) and, at each AddKeys, the set's
+// skv and hkv: a ring slice has the same local sizes on every rank.
+class ForwardPoison {
+ public:
+  ForwardPoison(const AttentionDims& d, const TensorView& q, ThreadPool* pool);
+  bool any_q() const { return any_q_; }
+  // The view the kernels read: a cleaned copy when any_q(), else q.
+  const TensorView& q() const { return q_; }
+  // Marks the rows [B, H, Sq] that depend on a poisoned q row or a flagged
+  // k/v row of this set (`kv_flags` [B, Skv, Hkv], null: none flagged).
+  // Nothing to do, and nothing done, when neither is poisoned.
+  void AddKeys(const PairRule& rule, const char* kv_flags);
+  // Whether some row depends on a poisoned input.
+  bool any() const { return !lse_p_.empty(); }
+  // Writes NaN over the dependent rows of out (f32 contiguous [B, Sq, H, Dv])
+  // and lse (f32 contiguous [B, H, Sq]); nothing when !any().
+  void Fill(float* out, float* lse) const;
+  // Rows [B, H, Sq] whose lse / out are poisoned (empty when !any()).
+  const std::vector<char>& lse_rows() const { return lse_p_; }
+  const std::vector<char>& out_rows() const { return out_p_; }
 
-// Writes NaN over the rows flagged in `rows_bhs` ([B, H, Sq]) of an f32
-// contiguous [B, Sq, H, X] buffer (out, dq).
-void FillQueryRows(float* buf, const AttentionDims& d, int64_t x, const char* rows_bhs);
+ private:
+  AttentionDims d_;
+  std::vector<char> q_bad_;  // [B, Sq, H]
+  bool any_q_ = false;
+  Tensor q_own_;
+  TensorView q_;
+  std::vector<char> lse_p_, out_p_;
+};
 
-// Writes NaN over the rows flagged in `flags` ([B, S, Heads]) of an f32
-// contiguous [B, S, Heads, X] buffer (dk, dv).
-void FillRows(float* buf, int64_t rows, int64_t x, const char* flags);
+// Steps 1-3 of a backward over this call's (or this rank's) query rows:
+//   BackwardPoison bp(d, q, out, lse, dout, pool[, &fwd]);  // scans
+//   bp.Sanitize(lse32, delta);       // before the kernels read them
+//   for each key/value set: kernels into dk/dv of the set, then
+//     bp.FillKeys(rule, dk, dv);
+//   bp.FillQueries(dq); bp.FillDSinks(ds);
+// Which query rows are poisoned follows from the out, lse and dout given
+// (NaN rows of a forward that met poison) and, with `forward` (the
+// single-device backward, which can see every key), from recomputing the
+// forward's dependencies; the ring relies on the lse and out its forward
+// wrote, and carries dk/dv poison home in its travelling accumulators.
+class BackwardPoison {
+ public:
+  // q [B, Sq, H, D], out [B, Sq, H, Dv], dout like out, lse [B, H, Sq], any
+  // strides. `forward`, if given, was built on the same q.
+  BackwardPoison(const AttentionDims& d, const TensorView& q, const TensorView& out,
+                 const TensorView& lse, const TensorView& dout, ThreadPool* pool,
+                 const ForwardPoison* forward = nullptr);
+  bool any() const { return any_; }
+  // The views the kernels read: cleaned copies of q / dout when they held a
+  // non-finite row, else the given views.
+  const TensorView& q() const { return q_; }
+  const TensorView& dout() const { return dout_; }
+  // lse32 (f32 contiguous [B, H, Sq], the kernels' copy) gets -inf, the "no
+  // key" marker, on poisoned lse rows: P = 0, so they contribute nothing;
+  // delta [B, H, Sq] gets 0 where not finite (a row whose dependants are all
+  // overwritten). Nothing when !any().
+  void Sanitize(float* lse32, float* delta) const;
+  // After the kernels wrote dk / dv (f32 contiguous [B, Skv, Hkv, D] and
+  // [..., Dv]) for one key/value set: NaN over the rows some poisoned query
+  // row allowed by `rule` depends on. Nothing when !any().
+  void FillKeys(const PairRule& rule, float* dk, float* dv) const;
+  // dq (f32 contiguous [B, Sq, H, D]) and ds ([H]): NaN over the rows / heads
+  // that depend on a poisoned row. Nothing when !any().
+  void FillQueries(float* dq) const;
+  void FillDSinks(float* ds) const;
+
+ private:
+  AttentionDims d_;
+  bool any_ = false;
+  Tensor q_own_, dout_own_;
+  TensorView q_, dout_;
+  // Rows [B, H, Sq]: lse poisoned; PR (dq, dk, dsinks); dv sources.
+  std::vector<char> lse_p_, pr_, dv_src_;
+};
 
 }  // namespace ringsplash::kernels
 

@@ -55,31 +55,6 @@ struct BackwardScratch {
   Tensor accs[2];    // f32 [dk (B, Skv, Hkv, D) | dv (B, Skv, Hkv, Dv)]
 };
 
-// Poison sets of this rank's rows [B, H, Sq] for the backward (see
-// BackwardSteps); empty vectors and any = false in the normal case.
-struct BackwardPoison {
-  bool any_q = false, any_dout = false, any = false;
-  std::vector<char> lse_p, pr, dv_src;
-
-  BackwardPoison(const RingSetup& s, const TensorView& q, const TensorView& out,
-                 const TensorView& lse, const TensorView& dout) {
-    const kernels::AttentionDims& d = s.dims;
-    const kernels::InputScan scan = kernels::ScanInputs(q, TensorView(), TensorView());
-    std::vector<char> dout_bad, out_bad;
-    any_q = scan.any_q;
-    any_dout = kernels::ScanRows(dout, 1, dout_bad);
-    const bool any_out = kernels::ScanRows(out, 1, out_bad);
-    const auto rows = static_cast<size_t>(d.b * d.h * d.sq);
-    lse_p.assign(rows, 0);
-    const bool any_lse = kernels::ScanLse(d, lse, lse_p.data());
-    any = scan.any() || any_dout || any_out || any_lse;
-    if (!any) return;
-    pr.assign(rows, 0);
-    dv_src.assign(rows, 0);
-    kernels::BackwardSets(d, lse_p.data(), nullptr, out_bad, dout_bad, pr.data(), dv_src.data());
-  }
-};
-
 void BackwardSteps(Communicator& comm, const RingSetup& s, const AttentionInputs& local,
                    const TensorView& out, const TensorView& lse, const TensorView& dout,
                    const TensorView& dq, const TensorView& dk, const TensorView& dv,
@@ -95,41 +70,23 @@ void BackwardSteps(Communicator& comm, const RingSetup& s, const AttentionInputs
   for (Tensor& t : scratch.accs) t = Tensor(DType::kF32, {dk_elems + dv_elems});
   Tensor part(DType::kF32, {dk_elems + dv_elems});
 
-  // Non-finite inputs (src/kernels/poison.h). This rank's rows [B, H, Sq]
-  // that are PR (out poisoned or bad dout; dq, dk, dsinks) or poison dv
-  // (lse poisoned or bad dout) follow from the out and lse the forward wrote
-  // (NaN rows) and dout; they mark the dk/dv rows of each slice they allow
-  // with NaN in the travelling accumulator, which carries the poison home.
-  // k/v rows come cleaned in the slice.
-  const BackwardPoison poison(s, local.q, out, lse, dout);
-  Tensor clean_q, clean_dout;
-  TensorView dout_in = dout;
-  if (poison.any_q) clean_q = kernels::CleanCopy(local.q);
-  if (poison.any_dout) {
-    clean_dout = kernels::CleanCopy(dout);
-    dout_in = clean_dout.view();
-  }
+  // Non-finite inputs (src/kernels/poison.h). This rank's poisoned query
+  // rows follow from the out and lse the forward wrote (NaN rows) and dout;
+  // they mark the dk/dv rows of each slice they allow with NaN in the
+  // travelling accumulator, which carries the poison home. k/v rows come
+  // cleaned in the slice.
+  kernels::ThreadPool pool(s.num_threads);
+  const kernels::BackwardPoison poison(d, local.q, out, lse, dout, &pool);
 
   // delta [B, H, Sq] = rowsum(dout * out) from the caller's out (as the
-  // single-device backward does); lse as contiguous f32. A non-finite delta
-  // belongs to a PR row: 0 keeps the kernels finite, and a poisoned lse
-  // becomes -inf (P = 0: the row contributes nothing; its dependants are
-  // NaN-filled).
+  // single-device backward does); lse as contiguous f32, both neutralised
+  // on poisoned rows (BackwardPoison::Sanitize).
   std::vector<float> delta(static_cast<size_t>(d.b * d.h * d.sq));
-  kernels::ComputeDelta(dout_in, out, delta.data());
+  kernels::ComputeDelta(poison.dout(), out, delta.data());
   Tensor lse32(DType::kF32, {d.b, d.h, d.sq});
   CopyConvert(lse, lse32.view());
-  if (poison.any) {
-    float* l = lse32.data_as<float>();
-    for (size_t r = 0; r < delta.size(); ++r) {
-      if (!std::isfinite(delta[r])) delta[r] = 0.0f;
-      if (poison.lse_p[r] != 0) l[r] = -std::numeric_limits<float>::infinity();
-    }
-  }
-  const auto keys = static_cast<size_t>(d.b * d.skv * d.hkv);
-  std::vector<char> dk_p, dv_p;
+  poison.Sanitize(lse32.data_as<float>(), delta.data());
   Tensor dq_acc(DType::kF32, {d.b, d.sq, d.h, d.d});
-  kernels::ThreadPool pool(s.num_threads);
 
   int acc_in = 0;  // index of the accumulator for the slice processed now
   Communicator::Handle acc_shift = -1;
@@ -147,17 +104,10 @@ void BackwardSteps(Communicator& comm, const RingSetup& s, const AttentionInputs
     float* target = t == 0 ? scratch.accs[acc_in].data_as<float>() : part.data_as<float>();
     if (t > 0) std::memset(target, 0, acc_bytes);
     kernels::FlashParams params = s.StepParams(layout, cur, src);
-    if (poison.any_q) params.q = clean_q.view();
-    kernels::FlashBackward(params, pool, dout_in, lse32.data_as<float>(), delta.data(),
+    params.q = poison.q();
+    kernels::FlashBackward(params, pool, poison.dout(), lse32.data_as<float>(), delta.data(),
                            dq_acc.data_as<float>(), target, target + dk_elems, &step.kernel);
-    if (poison.any) {
-      dk_p.assign(keys, 0);
-      dv_p.assign(keys, 0);
-      kernels::MarkBackward(s.Rule(layout, cur, src), d, poison.pr.data(), poison.dv_src.data(),
-                            dk_p.data(), dv_p.data());
-      kernels::FillRows(target, static_cast<int64_t>(keys), d.d, dk_p.data());
-      kernels::FillRows(target + dk_elems, static_cast<int64_t>(keys), d.dv, dv_p.data());
-    }
+    poison.FillKeys(s.Rule(layout, cur, src), target, target + dk_elems);
     step.compute_seconds = SecondsSince(c0);
     if (t > 0) {
       const Clock::time_point w0 = Clock::now();
@@ -179,7 +129,7 @@ void BackwardSteps(Communicator& comm, const RingSetup& s, const AttentionInputs
     if (stats != nullptr) stats->backward_steps.push_back(step);
   }
   const float* home = scratch.accs[acc_in].data_as<float>();
-  if (poison.any) kernels::FillQueryRows(dq_acc.data_as<float>(), d, d.d, poison.pr.data());
+  poison.FillQueries(dq_acc.data_as<float>());
   // Checked: a finite gradient beyond an f16/bf16 range is an Error naming
   // it (a peer still in the dsinks all-reduce below is woken by the Abort).
   CopyConvert(dq_acc.view(), dq, "dq");
@@ -197,7 +147,7 @@ void BackwardSteps(Communicator& comm, const RingSetup& s, const AttentionInputs
     kernels::AccumulateDSinks(s.Rows(), s.sinks.data(), lse32.data_as<float>(), delta.data(),
                               ds.data());
     // NaN joins the all-reduce sum: dsinks[h] is NaN on every rank.
-    if (poison.any) kernels::PoisonDSinks(d, poison.pr.data(), ds.data());
+    poison.FillDSinks(ds.data());
     comm.AllReduceSum(ds.data(), ds.size());
     for (int64_t h = 0; h < d.h; ++h) StoreFromF32(dsinks, h * dsinks.stride[0], ds[h]);
   }

@@ -49,7 +49,7 @@ bool SliceLayout::AnyPoison(const void* base) const {
 }
 
 const char* SliceLayout::PoisonFlags(const void* base) const {
-  return static_cast<const char*>(base) + poison_offset + 1;
+  return AnyPoison(base) ? static_cast<const char*>(base) + poison_offset + 1 : nullptr;
 }
 
 void SliceLayout::Pack(const AttentionInputs& local, void* base) const {
@@ -57,15 +57,10 @@ void SliceLayout::Pack(const AttentionInputs& local, void* base) const {
   CopyElements(local.v, V(base));
   if (has_segments) CopyElements(local.kv_segments, Segments(base));
   std::vector<char> flags;
-  bool any = kernels::ScanRows(K(base), kernels::kKeyBad, flags);
-  any = kernels::ScanRows(V(base), kernels::kValueBad, flags) || any;
+  const bool any = kernels::CleanKeyValuesInPlace(K(base), V(base), flags);
   char* poison = static_cast<char*>(base) + poison_offset;
   poison[0] = any ? 1 : 0;
   std::memcpy(poison + 1, flags.data(), flags.size());
-  if (any) {
-    kernels::CleanInPlace(K(base));
-    kernels::CleanInPlace(V(base));
-  }
 }
 
 Tensor ByteBuffer(size_t bytes) {

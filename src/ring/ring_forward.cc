@@ -74,13 +74,10 @@ void ForwardSteps(Communicator& comm, const RingSetup& s, const AttentionInputs&
 
   // Non-finite inputs (src/kernels/poison.h): local q rows are scanned here,
   // each slice's k/v rows at its owner's Pack. The kernels see cleaned data;
-  // rows [B, H, Sq] that depend on a poisoned input collect in lse_p / out_p
-  // (only allocated once something is poisoned) and become NaN.
+  // rows [B, H, Sq] that depend on a poisoned input are marked slice by
+  // slice and become NaN at the end.
   kernels::ThreadPool pool(s.num_threads);
-  const kernels::InputScan scan = kernels::ScanInputs(local.q, TensorView(), TensorView(), &pool);
-  Tensor clean_q;
-  if (scan.any_q) clean_q = kernels::CleanCopy(local.q);
-  std::vector<char> lse_p, out_p;
+  kernels::ForwardPoison poison(d, local.q, &pool);
 
   for (int t = 0; t < n; ++t) {
     const int src = ((s.rank - t) % n + n) % n;
@@ -94,17 +91,8 @@ void ForwardSteps(Communicator& comm, const RingSetup& s, const AttentionInputs&
     step.source_rank = src;
     const Clock::time_point c0 = Clock::now();
     kernels::FlashParams params = s.StepParams(layout, cur, src);
-    if (scan.any_q) params.q = clean_q.view();
-    const bool slice_poisoned = layout.AnyPoison(cur);
-    if (slice_poisoned || scan.any_q) {
-      if (lse_p.empty()) {
-        lse_p.assign(static_cast<size_t>(d.b * d.h * d.sq), 0);
-        out_p.assign(lse_p.size(), 0);
-      }
-      kernels::MarkForward(s.Rule(layout, cur, src), d,
-                           slice_poisoned ? layout.PoisonFlags(cur) : nullptr,
-                           scan.any_q ? scan.q.data() : nullptr, lse_p.data(), out_p.data());
-    }
+    params.q = poison.q();
+    poison.AddKeys(s.Rule(layout, cur, src), layout.PoisonFlags(cur));
     if (t == 0) {
       kernels::FlashForward(params, pool, out_acc, lse_acc, &step.kernel);
     } else {
@@ -122,11 +110,7 @@ void ForwardSteps(Communicator& comm, const RingSetup& s, const AttentionInputs&
   if (!s.sinks.empty()) {
     kernels::ApplySinks(s.Rows(), out_acc, lse_acc, s.sinks.data());
   }
-  if (!lse_p.empty()) {
-    for (size_t r = 0; r < lse_p.size(); ++r) out_p[r] |= lse_p[r];
-    kernels::FillQueryRows(out_acc, d, d.dv, out_p.data());
-    kernels::FillRows(lse_acc, static_cast<int64_t>(lse_p.size()), 1, lse_p.data());
-  }
+  poison.Fill(out_acc, lse_acc);
   // Checked: a finite out beyond an f16/bf16 range is an Error naming it.
   if (out_own.data() != nullptr) CopyConvert(out_own.view(), out, "out");
   if (lse_own.data() != nullptr) CopyConvert(lse_own.view(), lse, "lse");

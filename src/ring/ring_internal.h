@@ -45,7 +45,8 @@ struct SliceLayout {
   TensorView K(void* base) const;
   TensorView V(void* base) const;
   TensorView Segments(void* base) const;  // undefined without segment ids
-  // Whether any key/value row of the slice was not finite; the row flags.
+  // Whether any key/value row of the slice was not finite; the row flags
+  // [B, Skv, Hkv] (kKeyBad | kValueBad), null when none is.
   bool AnyPoison(const void* base) const;
   const char* PoisonFlags(const void* base) const;
   // Copies this rank's own k, v (cleaned), kv segment ids and poison flags
