@@ -3,10 +3,10 @@
 //
 // With Sq rows per head, a head's q block holds only Sq rows (one token when
 // decoding: one lane of sixteen), and every query head of a kv group streams
-// the same K and V tiles again — a decode step with H = 32, Hkv = 4 read its
-// K and V eight times. The stacked problem puts the group's heads side by
-// side as rows of one head per kv head (i major, so rows of one position
-// stay together):
+// the same K and V tiles again — unstacked, a decode step with H = 32,
+// Hkv = 4 reads its K and V eight times. The stacked problem puts the
+// group's heads side by side as rows of one head per kv head (i major, so
+// rows of one position stay together):
 //   q'[b, i * g + hh, kh, :]    = q[b, i, kh * g + hh, :]     (a copy: Sq small)
 //   q_pos'[i * g + hh]          = q_pos[i]
 //   q_segments'[b, i * g + hh]  = q_segments[b, i]

@@ -54,10 +54,10 @@ constexpr int kMaxShare = static_cast<int>(kMaxDecodeShare);  // entries done to
 // Heads sharing rows (G >= 2) do G times the arithmetic per byte, which
 // leaves the out-of-order window too few loads in flight to cover memory
 // latency: each K and V row of the next chunk is requested while its row of
-// this chunk is used (16 keys ahead, one 64-byte line per request): GQA
-// steps ran 1.3-1.6x faster. One head per row (MHA) keeps enough loads in
-// flight by itself; the requests only cost it a little, so it makes none
-// (docs/PERFORMANCE.md, decoding kernel).
+// this chunk is used (16 keys ahead, one 64-byte line per request). One head
+// per row (MHA) keeps enough loads in flight by itself; the requests would
+// only slow it, so it makes none (docs/PERFORMANCE.md, "Design
+// measurements": decoding prefetch).
 constexpr int64_t kPrefetchKeys = 16;
 
 // Requests `bytes` bytes from `ahead` bytes past row into L1. The address

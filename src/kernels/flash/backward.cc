@@ -188,10 +188,11 @@ class QSide {
 // tiles (KvBlocks): every q tile fetched serves all of them, so the q side
 // (Q^T, dO^T, Q, dO and the dQ tile: ~350 KiB per (head, q block) at D =
 // 128) streams through the caches once per group instead of once per kv
-// tile. One tile at a time, a backward with 8192 queries ran 12 % slower
-// per FLOP than one with 4096 (its q side, 22 MiB per kv tile and head,
-// no longer stayed in this machine's L3). The group's K, V, dK and dV
-// (~290 KiB per tile at D = 128) stay in L2.
+// tile. One tile at a time, the q side of a long query range (22 MiB per
+// kv tile and head at 8192 queries) outgrows the L3 share of a core and
+// the backward slows per FLOP (docs/PERFORMANCE.md, "Design measurements":
+// kv groups in the backward). The group's K, V, dK and dV (~290 KiB per
+// tile at D = 128) stay in L2.
 constexpr int64_t kKvGroup = 4;
 
 // Per-thread scratch of one tile, or of a group of kv tiles.

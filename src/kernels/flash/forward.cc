@@ -96,8 +96,8 @@ struct BlockState {
 // rounded to bf16 (relative error <= 2^-8 per probability, so |out error| <=
 // 2^-8 max|v|: the bf16 tolerance the tests allow, and what FlashAttention
 // does on GPUs), V (bf16 already, so exact) packed as pairs once per fetched
-// kv tile. P V is then ~2x faster than in f32 on vdpbf16ps (a whole bf16
-// forward 1.3x on Zen 4: docs/PERFORMANCE.md), ~6x on tiles.
+// kv tile. P V then runs at the bf16 product rate, well above f32 FMAs on
+// both (docs/PERFORMANCE.md, "Design measurements": bf16 P V).
 bool UseBf16Pv(const FlashParams& p, const micro::MicroKernels& mk) {
   return UseBf16Scores(p, mk) && mk.pack_pairs_bf16 != nullptr &&
          mk.pack_pairs_from_bf16 != nullptr;
@@ -105,8 +105,9 @@ bool UseBf16Pv(const FlashParams& p, const micro::MicroKernels& mk) {
 
 // How the call reads K and V (KvRows): with the bf16 P V and bf16 K and V
 // of unit inner stride, K in place for the bf16 GEMMs and V pairs packed
-// straight from the tensor (no per-call copies: at S = 32768 they were
-// ~40 % of a sliding-window forward's samples, page faults included).
+// straight from the tensor: no per-call copies, which would be a large part
+// of a long sliding-window forward, page faults included
+// (docs/PERFORMANCE.md, "Design measurements": bf16 K and V in place).
 KvRows::KeyFormat KeyFormatFor(const FlashParams& p, bool bf16, bool bf16_pv) {
   if (!bf16) return KvRows::KeyFormat::kF32;
   const bool tensor_pairs = bf16_pv && p.v.dtype == DType::kBF16 && p.v.stride[3] == 1;
@@ -461,7 +462,8 @@ class ForwardCall {
   // Query row (b, i, h) as f32 into q[0, d); whether it holds a NaN or an
   // infinity (exponent bits all ones). Rows of unit stride take loops the
   // compiler vectorises: at short Skv the rows of a decoding call are a
-  // visible part of it (32 heads x 128: ~4 us element by element).
+  // visible part of it (docs/PERFORMANCE.md, "Design measurements": query
+  // rows of decoding calls).
   bool QueryRow(int64_t b, int64_t i, int64_t h, float* q) const {
     const int64_t at = p_.q.Offset(b, i, h, 0), step = p_.q.stride[3];
     if (p_.q.dtype == DType::kBF16) {

@@ -14,12 +14,12 @@ struct CpuFeatures {
   bool avx512 = false;       // avx2 and AVX512 F+BW+VL+DQ and OS zmm support
   bool avx512_bf16 = false;  // avx512 and AVX512_BF16 (vdpbf16ps, vcvtneps2bf16)
   // Whether vdpbf16ps runs at (at least) the f32 FMA instruction rate, i.e.
-  // bf16 products are ~2x the f32 FLOP rate. Measured on Intel Sapphire
-  // Rapids-class Xeons: vdpbf16ps zmm issues at half the FMA rate, so its
-  // FLOP rate only equals f32 FMA and the avx512 path (bf16 widened to f32)
-  // is as fast and more accurate. On AMD Zen 4/5 it executes on the FMA pipes
-  // at the FMA instruction rate: twice the f32 FLOP rate (measured:
-  // docs/PERFORMANCE.md). kAuto prefers avx512_bf16 only when this is true.
+  // bf16 products reach twice the f32 FLOP rate: set on AMD CPUs (Zen 4 and
+  // 5 execute it on the FMA pipes at the FMA instruction rate), not on
+  // Intel's (Sapphire Rapids-class cores issue vdpbf16ps zmm at half the FMA
+  // rate, so its FLOP rate only equals f32 FMA and the avx512 path, bf16
+  // widened to f32, is as fast and more accurate). Rates: docs/PERFORMANCE.md,
+  // "bf16 on vdpbf16ps". kAuto prefers avx512_bf16 only when this is true.
   bool fast_bf16_dot = false;
   // avx512_bf16 and AMX-TILE + AMX-BF16, and the OS saving the tile state
   // (XCR0 bits 17, 18). Linux also wants a per-process permission before the

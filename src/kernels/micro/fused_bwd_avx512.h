@@ -2,11 +2,12 @@
 // template over where its two products come from: computed in registers
 // (micro/fused_bwd_avx512.cc) or stored by the bf16 products (GemmBf16Fn)
 // (micro/fused_bwd_stored_avx512.cc). Two files, so that the two sets of
-// unrolled block instantiations compile on two cores at once (an instrumented
-// sanitizer build of both in one file took 360 s). lse is known, so P^T =
-// 2^(x * log2 e - lse * log2 e) is fused into the S^T block, and dS^T = scale
-// P^T (dP^T - delta) into the dP^T = V dO^T block. Include only from AVX-512
-// translation units.
+// unrolled block instantiations compile on two cores at once: an
+// instrumented sanitizer build of both in one file is the slowest compile
+// of CI (docs/PERFORMANCE.md, "Design measurements": two fused backward
+// files). lse is known, so P^T = 2^(x * log2 e - lse * log2 e) is fused
+// into the S^T block, and dS^T = scale P^T (dP^T - delta) into the
+// dP^T = V dO^T block. Include only from AVX-512 translation units.
 #ifndef RINGSPLASH_KERNELS_MICRO_FUSED_BWD_AVX512_H_
 #define RINGSPLASH_KERNELS_MICRO_FUSED_BWD_AVX512_H_
 

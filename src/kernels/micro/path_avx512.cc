@@ -21,8 +21,9 @@ namespace avx512 {
 namespace {
 
 // Rows this far ahead are requested while a row is copied: enough misses in
-// flight for a stream of 512-byte rows 4 KiB apart (2.5x the rate of a plain
-// row-by-row copy; 4 rows ahead gains less, 16 no more).
+// flight for a stream of 512-byte rows 4 KiB apart, which the hardware
+// prefetchers do not follow (docs/PERFORMANCE.md, "Design measurements":
+// row prefetch in the f32 tile copy).
 constexpr int64_t kPrefetchRows = 8;
 
 bool CopyRowsF32(const float* src, int64_t lds, int64_t rows, int64_t cols, float* dst,
