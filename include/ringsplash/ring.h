@@ -5,6 +5,7 @@
 #define RINGSPLASH_RING_H_
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -54,10 +55,65 @@ struct FaultSpec {
   void CheckFits(int num_ranks, const std::string& what) const;
 };
 
+class RingPlan;
+
 struct RingOptions {
   AttentionOptions attention;  // num_threads = kernel threads of this rank (0: cores / N, >= 1)
   Layout layout = Layout::kZigzag;
   std::optional<FaultSpec> fault;  // default: FaultSpec::FromEnv()
+  // Block metadata built once for many calls (RingPlan, below); null: each
+  // call builds the maps of its steps itself. Must outlive the calls.
+  const RingPlan* plan = nullptr;
+};
+
+namespace ring_internal {
+struct PlanAccess;
+}
+
+// The block metadata of one rank's ring — for every ring step, which tiles
+// of (this rank's q rows) x (the travelling slice's k/v rows) are empty, full
+// or partial, by row for the forward and by column for the backward — built
+// once and then reused by every call and every step that passes it in
+// RingOptions::plan (the counterpart of the seed's make_ring_attention).
+// Without a plan each call builds one map per step (and the backward two),
+// which for a dense mask means scanning its tiles on every call.
+//
+// A plan is fixed to this rank and ring size (of the communicator it is made
+// with), the layout, the mask (the same Mask object or a copy of it — masks
+// share their nodes — or, without Dense leaves, an equal text form), the
+// LOCAL lengths of q and k/v, the number of query heads and the block sizes.
+// A call whose arguments differ throws Error naming what differs. Segment
+// ids are data: each call refines the plan's tiles with its own.
+//
+// Maps are built on first use (a forward-only user never builds the column
+// maps) under a lock: one plan may serve concurrent calls (for example the
+// forward of one micro-batch and the backward of another on different
+// communicators of the same rank) and is not tied to one thread.
+class RingPlan {
+ public:
+  RingPlan(const Communicator& comm, const RingOptions& options, int64_t local_sq,
+           int64_t local_skv, int64_t num_heads);
+  // The same without a communicator (e.g. to plan ahead of the job).
+  RingPlan(int rank, int num_ranks, const RingOptions& options, int64_t local_sq,
+           int64_t local_skv, int64_t num_heads);
+  ~RingPlan();
+  RingPlan(RingPlan&&) noexcept;
+  RingPlan& operator=(RingPlan&&) noexcept;
+  RingPlan(const RingPlan&) = delete;
+  RingPlan& operator=(const RingPlan&) = delete;
+
+  int rank() const;
+  int num_ranks() const;
+  // Block maps this plan has built so far: at most one by row and one by
+  // column per source rank (2N), however many calls it served.
+  int64_t metadata_builds() const;
+  // Bytes its maps hold now.
+  size_t memory_bytes() const;
+
+ private:
+  friend struct ring_internal::PlanAccess;
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
 };
 
 // What one ring step cost on this rank.

@@ -22,6 +22,7 @@
 #include "src/mask/block_map.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <limits>
 #include <unordered_map>
@@ -340,6 +341,12 @@ void FillAffine(int64_t first, int64_t step, int64_t n, int64_t* buf) {
 
 }  // namespace
 
+namespace {
+std::atomic<int64_t> g_build_count{0};
+}  // namespace
+
+int64_t BlockMap::BuildCount() { return g_build_count.load(); }
+
 BlockMap BlockMap::Build(const Mask& mask, std::span<const int64_t> q_pos,
                          std::span<const int64_t> kv_pos, int64_t bq, int64_t bkv,
                          int64_t num_query_heads, bool by_column) {
@@ -349,6 +356,7 @@ BlockMap BlockMap::Build(const Mask& mask, std::span<const int64_t> q_pos,
   const int64_t mask_heads = mask.num_heads();
   Check(mask_heads == 0 || mask_heads == num_query_heads, "BlockMap::Build: the mask is built for ",
         mask_heads, " query heads, but num_query_heads is ", num_query_heads);
+  g_build_count.fetch_add(1);
   BlockMap m;
   m.mask_ = mask;
   m.sq_ = static_cast<int64_t>(q_pos.size());

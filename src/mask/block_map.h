@@ -91,6 +91,11 @@ class BlockMap {
                         std::span<const int64_t> kv_pos, int64_t bq, int64_t bkv,
                         int64_t num_query_heads, bool by_column = false);
 
+  // Maps built by Build in this process so far (tests prove reuse with it).
+  static int64_t BuildCount();
+
+  int64_t sq() const { return sq_; }    // query rows covered
+  int64_t skv() const { return skv_; }  // key rows covered
   int64_t bq() const { return bq_; }
   int64_t bkv() const { return bkv_; }
   int64_t num_q_blocks() const { return nqb_; }

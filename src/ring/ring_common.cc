@@ -75,6 +75,11 @@ kernels::FlashParams RingSetup::StepParams(const SliceLayout& layout, void* slic
   p.v = layout.V(slice);
   p.kv_segments = layout.Segments(slice);
   p.kv_pos = kv_pos[static_cast<size_t>(source)].data();
+  if (plan != nullptr) {
+    // The backward's dK/dV pass walks columns, its dQ pass rows.
+    p.row_map = PlanAccess::Map(*plan, source, /*by_column=*/false);
+    if (backward) p.column_map = PlanAccess::Map(*plan, source, /*by_column=*/true);
+  }
   return p;
 }
 
@@ -134,6 +139,11 @@ RingSetup PrepareRing(Communicator& comm, const AttentionInputs& local, const Ri
   }
   const int hw = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   s.num_threads = opt.num_threads > 0 ? opt.num_threads : std::max(1, hw / n);
+  s.backward = backward;
+  if (options.plan != nullptr) {
+    PlanAccess::CheckFits(*options.plan, s, options);
+    s.plan = options.plan;
+  }
   s.fault = options.fault ? options.fault : FaultSpec::FromEnv();
   // A fault the ring never reaches would be skipped silently, and whoever is
   // testing failure handling would believe it was injected.

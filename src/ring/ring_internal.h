@@ -81,14 +81,27 @@ struct RingSetup {
   std::vector<float> sinks;  // [H] contiguous copy, empty without sinks
   int num_threads = 1;
   std::optional<FaultSpec> fault;
+  const RingPlan* plan = nullptr;  // options.plan, checked to fit
+  bool backward = false;           // which maps StepParams takes from the plan
 
   // The key/value slice of `source` lives in `slice` (packed per `layout`).
-  // The result points into this setup (q_pos, kv_pos): valid while it lives
-  // and is not moved.
+  // The result points into this setup (q_pos, kv_pos) and the plan: valid
+  // while they live and the setup is not moved.
   kernels::FlashParams StepParams(const SliceLayout& layout, void* slice, int source) const;
   kernels::RowShape Rows() const { return {dims.b, dims.sq, dims.h, dims.dv}; }
   // Which (local q row, row of `source`'s slice) pairs are allowed.
   kernels::PairRule Rule(const SliceLayout& layout, void* slice, int source) const;
+};
+
+// What the ring needs of a RingPlan's internals.
+struct PlanAccess {
+  // Throws Error naming the difference unless `plan` was made for this
+  // rank's call (rank, ring size, layout, local lengths, heads, block sizes,
+  // mask).
+  static void CheckFits(const RingPlan& plan, const RingSetup& s, const RingOptions& options);
+  // The block map of (this rank's q rows) x (source's k/v rows), built on
+  // first use.
+  static const mask::BlockMap* Map(const RingPlan& plan, int source, bool by_column);
 };
 
 // Thrown, identically on every rank, when the ranks of one ring call passed

@@ -40,6 +40,8 @@ StackedHeads::StackedHeads(const FlashParams& p, ThreadPool& pool) : params_(p) 
     }
   }
   params_.q = q_.view();
+  params_.row_map = nullptr;  // other rows and positions: maps of their own
+  params_.column_map = nullptr;
   params_.q_pos = q_pos_.data();
   if (p.q_segments.defined()) {
     q_segments_ = Tensor(DType::kI32, {b, rows});

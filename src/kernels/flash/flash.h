@@ -18,6 +18,10 @@
 #include "ringsplash/tensor.h"
 #include "src/kernels/thread_pool.h"
 
+namespace ringsplash::mask {
+class BlockMap;
+}
+
 namespace ringsplash::kernels {
 
 struct FlashParams {
@@ -42,6 +46,12 @@ struct FlashParams {
   // are checked while the compute brings them into cache anyway, instead of
   // in a separate memory-bound pass over every input.
   std::atomic<bool>* non_finite = nullptr;
+  // Block maps built ahead for exactly this problem's q_pos, kv_pos, mask,
+  // H and tile geometry (Geometry::Of): a RingPlan builds them once and
+  // serves every call and ring step with them. Null (or a map of other
+  // dimensions, e.g. for a restacked problem) and the call builds its own.
+  const mask::BlockMap* row_map = nullptr;     // by_column = false (forward, dQ)
+  const mask::BlockMap* column_map = nullptr;  // by_column = true (dK, dV)
 };
 
 // Partial forward over the given k/v, no sinks.

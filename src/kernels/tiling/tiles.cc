@@ -73,10 +73,23 @@ mask::BlockMap BuildMap(const FlashParams& p, const Geometry& g, bool by_column)
                                std::span<const int64_t>(kv_pos), g.bq, g.bkv, g.h, by_column);
 }
 
+// Whether a map given with the parameters was built for this geometry.
+bool MapFits(const mask::BlockMap& m, const Geometry& g, bool by_column) {
+  return m.by_column() == by_column && m.sq() == g.sq && m.skv() == g.skv && m.bq() == g.bq &&
+         m.bkv() == g.bkv;
+}
+
 }  // namespace
 
 TilePlan::TilePlan(const FlashParams& p, const Geometry& g, bool by_column)
-    : g_(g), id_(NewCallId()), map_(BuildMap(p, g, by_column)) {
+    : g_(g), id_(NewCallId()) {
+  const mask::BlockMap* given = by_column ? p.column_map : p.row_map;
+  if (given != nullptr && MapFits(*given, g, by_column)) {
+    map_ = given;
+  } else {
+    own_map_.emplace(BuildMap(p, g, by_column));
+    map_ = &*own_map_;
+  }
   has_segments_ = p.q_segments.defined() && p.kv_segments.defined();
   if (!has_segments_) return;
   q_seg_ = CopySegments(p.q_segments);
@@ -102,7 +115,7 @@ void TilePlan::FillMask(mask::BlockKind map_kind, int64_t head, int64_t b, int64
                         uint8_t* out, int64_t ld) const {
   const int64_t m = g_.QRows(qb), n = g_.KvRows(kvb);
   if (map_kind == mask::BlockKind::kPartial) {
-    map_.FillPartial(head, qb, kvb, out, ld);
+    map_->FillPartial(head, qb, kvb, out, ld);
   } else {
     for (int64_t i = 0; i < m; ++i) std::memset(out + i * ld, 1, static_cast<size_t>(n));
   }
@@ -152,9 +165,9 @@ void TileMask::Fill(const TilePlan& plan, const micro::MicroKernels& mk, mask::B
 }
 
 double TilePlan::UsesPerKvTile() const {
-  const double computed = static_cast<double>(map_.Count(mask::BlockKind::kFull) +
-                                              map_.Count(mask::BlockKind::kPartial));
-  const double heads = map_.num_planes() == 1 ? static_cast<double>(g_.h) : 1.0;
+  const double computed = static_cast<double>(map_->Count(mask::BlockKind::kFull) +
+                                              map_->Count(mask::BlockKind::kPartial));
+  const double heads = map_->num_planes() == 1 ? static_cast<double>(g_.h) : 1.0;
   return computed * heads / static_cast<double>(std::max<int64_t>(1, g_.hkv * g_.nkvb));
 }
 
@@ -191,8 +204,9 @@ KvRows::KvRows(const FlashParams& p, const Geometry& g, KeyFormat keys, double u
   }
   // K (see the class comment): rows back to back are read in place; rows
   // of other heads in between (a [B, S, H, D] tensor with H > 1) put every
-  // row of a tile on the same few L1 sets, which costs the score product
-  // ~15 % at D = 128, H = 8 — packing pays once tiles are used often.
+  // row of a tile on the same few L1 sets, which slows the score product —
+  // packing pays once tiles are used often (docs/PERFORMANCE.md, "Design
+  // measurements": K rows in place).
   if (keys == KeyFormat::kF32 && k_f32 && (k_rows_dense || uses < kPackMinUses)) {
     k_in_place_ = static_cast<const float*>(k.data);
     ldk_ = k.stride[1];
@@ -347,8 +361,9 @@ bool PackTransposed(const micro::MicroKernels& mk, const TensorView& t, int64_t 
                             static_cast<const float*>(t.data) + t.Offset(b, r0, head, 0),
                             t.stride[1], dst, ld);
   } else {
-    // Rows widened to f32 first, then the micro-kernels' transpose: the
-    // element-wise transposing copy costs ~4 % of a bf16 forward.
+    // Rows widened to f32 first, then the micro-kernels' transpose: faster
+    // than an element-wise transposing copy (docs/PERFORMANCE.md, "Design
+    // measurements": widening before the transpose).
     thread_local AlignedBuffer<float> rows_f32;
     Grow(rows_f32, rows * cols);
     PackRowsF32(Slab{&t, b, head, r0, rows, cols}, rows_f32.data(), cols, rows);

@@ -6,6 +6,7 @@
 #define RINGSPLASH_KERNELS_TILING_TILES_H_
 
 #include <cstdint>
+#include <optional>
 #include <span>
 #include <vector>
 
@@ -41,7 +42,7 @@ class TilePlan {
  public:
   TilePlan(const FlashParams& p, const Geometry& g, bool by_column);
 
-  const mask::BlockMap& map() const { return map_; }
+  const mask::BlockMap& map() const { return *map_; }
   uint64_t id() const { return id_; }  // unique per plan (NewCallId)
   // Computed tiles per kv tile, averaged over kv tiles (of one batch element,
   // over all query heads of a kv head's group; segments not counted).
@@ -57,7 +58,8 @@ class TilePlan {
  private:
   const Geometry& g_;
   uint64_t id_ = 0;
-  mask::BlockMap map_;
+  std::optional<mask::BlockMap> own_map_;  // built here unless given (FlashParams)
+  const mask::BlockMap* map_ = nullptr;
   bool has_segments_ = false;
   std::vector<int32_t> q_seg_, kv_seg_;                  // [B, Sq], [B, Skv] contiguous copies
   std::vector<mask::BlockRanges> q_ranges_, kv_ranges_;  // per batch
@@ -107,13 +109,14 @@ class TileMask {
 // rows of RoundUp(D, 2) for the bf16 product path).
 //   K (kF32): in place whenever possible — it is only broadcast from.
 //   V: the B operand of P V, loaded in full vectors, so in place needs Dv a
-//     multiple of kVec; and row strides of 512 bytes or more cost P V up to
-//     ~10 % (L1 set aliasing, TLB), which a copy avoids. A copy (into fresh,
-//     page-faulting memory) costs about as much as that penalty over six or
-//     seven uses of a tile, so V is copied only when its tiles are used at
-//     least kPackMinUses times on average (`uses`: computed tiles per kv tile
-//     of a batch, over all query heads of its group) — dense masks and long
-//     rows, not sliding windows — or when it cannot be read in place.
+//     multiple of kVec; and row strides of 512 bytes or more slow P V down
+//     (L1 set aliasing, TLB), which a copy avoids. A copy (into fresh,
+//     page-faulting memory) costs about as much as that penalty over a few
+//     uses of a tile, so V is copied only when its tiles are used at least
+//     kPackMinUses times on average (`uses`: computed tiles per kv tile of a
+//     batch, over all query heads of its group) — dense masks and long rows,
+//     not sliding windows — or when it cannot be read in place
+//     (docs/PERFORMANCE.md, "Design measurements": V rows in place).
 // With `tile_cache`, f32 tiles used too rarely for a copy per call are
 // instead copied per thread as they are used (KvTileCache) unless they can
 // be read in place as they are (rows back to back, nothing to pad):
@@ -266,8 +269,8 @@ bool PackTransposed(const micro::MicroKernels& mk, const TensorView& t, int64_t 
 // rows' words: bf16 views with unit inner stride, even C and 4-byte aligned
 // rows go through the micro-kernels' 16 x 16 f32 transpose (moving words;
 // its NaN/Inf answer means nothing for pairs and is not used), others
-// through the element loop, which cost ~8 % of a bf16 sliding-window
-// forward. ld >= RoundUp(rows, kVec).
+// through the slower element loop (docs/PERFORMANCE.md, "Design
+// measurements": Q^T of bf16 rows). ld >= RoundUp(rows, kVec).
 void PackTransposedPairsBf16(const micro::MicroKernels& mk, const TensorView& t, int64_t b,
                              int64_t head, int64_t r0, int64_t rows, uint16_t* dst, int64_t ld);
 
