@@ -29,9 +29,9 @@ cmake_common=(-DCMAKE_BUILD_TYPE=RelWithDebInfo "-DCMAKE_CXX_FLAGS_RELWITHDEBINF
 
 # The ThreadSanitizer subset: every test whose code runs on several threads.
 tsan_tests="ThreadPoolTest|InvarianceTest|FlashTest.BitwiseIdenticalAcrossThreadCounts|CommTest|LinkModelTest"
-tsan_tests+="|RingTest|RingCoveringTest|RingFaultTest|RingDefaultTiles|Determinism|Concurrency"
-tsan_targets=(thread_pool_test attention_test flash_kernel_test comm_test ring_test ring_tiles_test
-  ring_fault_test determinism_test)
+tsan_tests+="|RingTest|RingCoveringTest|RingFaultTest|RingDefaultTiles|RingPlan|Determinism|Concurrency"
+tsan_targets=(thread_pool_test attention_test flash_kernel_test flash_schedule_test comm_test
+  ring_test ring_tiles_test ring_fault_test ring_plan_test determinism_test)
 
 configure_asan() {
   cmake -S . -B build-asan "${cmake_common[@]}" -DRINGSPLASH_SANITIZE=address,undefined \

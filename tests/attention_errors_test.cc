@@ -62,6 +62,29 @@ struct Call {
     dv = dv_t.view();
     dsinks = dsinks_t.view();
   }
+  // Every tensor a call could write: the outputs and any replacement.
+  std::vector<Tensor*> Writable() {
+    std::vector<Tensor*> t = {&out_t, &lse_t, &dq_t, &dk_t, &dv_t, &dsinks_t};
+    for (Tensor& k : keep) t.push_back(&k);
+    return t;
+  }
+  // Fills them with a byte pattern no kernel result has (0x5A5A5A5A is a
+  // float near 1.5e16), so any write shows.
+  void FillSentinel() {
+    for (Tensor* t : Writable()) std::memset(t->data(), 0x5A, t->bytes());
+  }
+  // Names (by index in Writable()) of those no longer holding the pattern.
+  std::string Touched() {
+    std::string touched;
+    const std::vector<Tensor*> all = Writable();
+    for (size_t i = 0; i < all.size(); ++i) {
+      const auto* bytes = static_cast<const unsigned char*>(all[i]->data());
+      if (std::any_of(bytes, bytes + all[i]->bytes(), [](unsigned char b) { return b != 0x5A; })) {
+        touched += " #" + std::to_string(i);
+      }
+    }
+    return touched;
+  }
   // A zero tensor kept alive for the call's lifetime.
   TensorView Make(DType dtype, std::vector<int64_t> shape) {
     keep.emplace_back(dtype, std::move(shape));
@@ -317,15 +340,24 @@ TEST_P(ErrorTest, NamesTheArgument) {
     messages.emplace_back("ValidateAttentionInputs",
                           MessageOf([&] { ValidateAttentionInputs(call.in, call.opt); }));
   }
+  // attention.h: argument checks run before anything is written, so after
+  // such an Error every output is untouched (outputs numbered as in
+  // Call::Writable: out, lse, dq, dk, dv, dsinks, then replacements).
+  std::vector<std::string> touched;
   if (ec.where != Where::kBackwardOnly) {
+    call.FillSentinel();
     messages.emplace_back("AttentionForward", MessageOf([&] {
                             AttentionForward(call.in, call.opt, call.out, call.lse);
                           }));
+    touched.push_back(call.Touched());
   }
+  call.FillSentinel();
   messages.emplace_back("AttentionBackward", MessageOf([&] {
                           AttentionBackward(call.in, call.opt, call.out, call.lse, call.dout,
                                             call.dq, call.dk, call.dv, call.dsinks);
                         }));
+  touched.push_back(call.Touched());
+  for (const std::string& t : touched) EXPECT_EQ(t, "") << "outputs written before the Error";
   for (const auto& [entry, msg] : messages) {
     SCOPED_TRACE(entry + ": " + msg);
     // The message starts with the argument's name.
