@@ -20,6 +20,7 @@
 #include "ringsplash/ring.h"
 #include "src/mask/block_map.h"
 #include "tests/support/accuracy.h"
+#include "tests/support/ring_run.h"
 #include "tests/support/test_util.h"
 
 namespace ringsplash::testing {
@@ -45,63 +46,15 @@ Problem MakeProblem(uint64_t seed) {
   return p;
 }
 
-// A local [B, S/N, ...] tensor of `global`'s shape.
-Tensor LocalLike(const TensorView& global) {
-  std::vector<int64_t> shape(global.shape.begin(), global.shape.begin() + global.ndim);
-  shape[1] /= kRanks;
-  return Tensor(global.dtype, shape);
-}
-
-Tensor Shard(const Tensor& global, int rank, Layout layout) {
-  Tensor local = LocalLike(global.view());
-  ShardSequence(layout, rank, kRanks, global.view(), local.view());
-  return local;
-}
-
-// Runs forward + backward on kRanks thread ranks; rank r uses plans[r] when
-// `plans` is given. Returns the gathered results as doubles.
+// Forward + backward on kRanks thread ranks; rank r uses plans[r] when
+// `plans` is given.
 ApiResult RunRing(const Problem& p, const RingOptions& base,
                   const std::vector<std::unique_ptr<RingPlan>>* plans) {
-  const int64_t s = kSeq, h = 2, hkv = 1, d = 16;
-  Tensor out(DType::kF32, {1, s, h, d}), lse(DType::kF32, {1, h, s});
-  Tensor dq(DType::kF32, {1, s, h, d}), dk(DType::kF32, {1, s, hkv, d});
-  Tensor dv(DType::kF32, {1, s, hkv, d}), dsinks(DType::kF32, {h});
-  RunThreadRanks(kRanks, CommOptions{}, [&](Communicator& comm) {
-    const int r = comm.rank();
+  return RunRingSharded(p.in, p.dout, kRanks, base.layout, [&](int r) {
     RingOptions options = base;
     if (plans != nullptr) options.plan = (*plans)[static_cast<size_t>(r)].get();
-    const Tensor q = Shard(p.in.q, r, base.layout), k = Shard(p.in.k, r, base.layout);
-    const Tensor v = Shard(p.in.v, r, base.layout), dout = Shard(p.dout, r, base.layout);
-    const Tensor qs = Shard(p.in.q_seg, r, base.layout), ks = Shard(p.in.kv_seg, r, base.layout);
-    AttentionInputs local;
-    local.q = q.view();
-    local.k = k.view();
-    local.v = v.view();
-    local.sinks = p.in.sinks.view();
-    local.q_segments = qs.view();
-    local.kv_segments = ks.view();
-    Tensor lo(DType::kF32, {1, s / kRanks, h, d}), ll(DType::kF32, {1, h, s / kRanks});
-    Tensor ldq = LocalLike(p.in.q.view()), ldk = LocalLike(p.in.k.view());
-    Tensor ldv = LocalLike(p.in.v.view());
-    Tensor lds(DType::kF32, {h});
-    RingAttentionForward(comm, local, options, lo.view(), ll.view());
-    RingAttentionBackward(comm, local, options, lo.view(), ll.view(), dout.view(), ldq.view(),
-                          ldk.view(), ldv.view(), lds.view());
-    GatherSequence(base.layout, r, kRanks, lo.view(), out.view());
-    GatherSequence(base.layout, r, kRanks, ll.view(), lse.view(), /*seq_dim=*/2);
-    GatherSequence(base.layout, r, kRanks, ldq.view(), dq.view());
-    GatherSequence(base.layout, r, kRanks, ldk.view(), dk.view());
-    GatherSequence(base.layout, r, kRanks, ldv.view(), dv.view());
-    if (r == 0) CopyConvert(lds.view(), dsinks.view());
+    return options;
   });
-  ApiResult res;
-  res.out = ToDoubles(out.view());
-  res.lse = ToDoubles(lse.view());
-  res.dq = ToDoubles(dq.view());
-  res.dk = ToDoubles(dk.view());
-  res.dv = ToDoubles(dv.view());
-  res.dsinks = ToDoubles(dsinks.view());
-  return res;
 }
 
 // A dense mask (causal with holes, per position): the case where building

@@ -41,6 +41,15 @@ class Mask {
   // Non-zero bytes mean allowed. Allowed() is false for positions outside
   // [0, sq) x [0, skv); the API layer rejects such positions up front.
   static Mask Dense(std::vector<uint8_t> values, int64_t heads, int64_t sq, int64_t skv);
+  // A dense mask holding only some query rows: `values` is row-major
+  // [rows.size(), skv] (heads == 0) or [heads, rows.size(), skv], and its row
+  // r gives the allowed keys of global query position rows[r] (rows strictly
+  // increasing, >= 0). For a ring rank, its own rows — rows =
+  // LayoutPositions(layout, Sq, rank, N) (ring.h) — so a rank holds
+  // Sq/N x Skv bytes, never the global Sq x Skv. A call whose query
+  // positions are not all among `rows` is an Error at the API.
+  static Mask DenseRows(std::vector<uint8_t> values, int64_t heads, std::vector<int64_t> rows,
+                        int64_t skv);
   // Head h uses masks[h]; masks.size() must equal the number of query heads.
   static Mask PerHead(std::vector<Mask> masks);
   // Text form used on the command line: terms `full`, `causal`, `causal:OFF`,
@@ -60,11 +69,17 @@ class Mask {
   // heads it was built for (PerHead size, Dense heads), which must equal H.
   int64_t num_heads() const;
   // For Dense leaves: the global [sq, skv] extent it covers (0, 0 if none;
-  // the smallest extent when several Dense leaves are combined).
+  // the smallest extent when several Dense leaves are combined; for
+  // DenseRows, sq is its last row + 1 — rows below it may still be missing:
+  // FirstUncoveredQuery).
   // Positions outside a Dense extent are a caller error checked at the API.
   int64_t dense_sq() const;
   int64_t dense_skv() const;
   bool has_dense() const;
+  // With Dense leaves: the first of `q_positions` that some Dense leaf holds
+  // no row for (outside [0, sq) of Mask::Dense, not among the rows of
+  // Mask::DenseRows); nullopt when every position is held (or no Dense leaf).
+  std::optional<int64_t> FirstUncoveredQuery(std::span<const int64_t> q_positions) const;
 
   // Canonical text (Parse(ToString()) is equivalent for text-expressible masks).
   std::string ToString() const;

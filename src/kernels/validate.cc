@@ -7,6 +7,8 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <numeric>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <utility>
@@ -114,7 +116,8 @@ void CheckBlockSize(int64_t value, const char* name) {
 
 }  // namespace
 
-AttentionDims ValidateInputsAndOptions(const AttentionInputs& in, const AttentionOptions& opt) {
+AttentionDims ValidateInputsAndOptions(const AttentionInputs& in, const AttentionOptions& opt,
+                                       bool dense_positions) {
   AttentionDims d;
   const TensorView& q = in.q;
   CheckBasic(q, "q", 4, "[B, Sq, H, D]");
@@ -194,13 +197,23 @@ AttentionDims ValidateInputsAndOptions(const AttentionInputs& in, const Attentio
         "mask: expected a head-independent mask or one built for H=", d.h,
         " query heads, got one built for ", mask.num_heads(), " heads (",
         Lazy([&] { return mask.ToString(); }), ")");
-  if (mask.has_dense()) {
+  if (mask.has_dense() && dense_positions) {
     const int64_t max_q = MaxPosition(in.q_positions, d.sq);
     const int64_t max_kv = MaxPosition(in.kv_positions, d.skv);
     Check(max_q < mask.dense_sq() && max_kv < mask.dense_skv(),
           "mask: expected a dense mask covering every position (q positions up to ", max_q,
           ", kv positions up to ", max_kv, "), got a dense extent of [", mask.dense_sq(), ", ",
           mask.dense_skv(), "]");
+    // A DenseRows leaf holds only its listed rows below its extent.
+    std::vector<int64_t> q_pos = in.q_positions;
+    if (q_pos.empty()) {
+      q_pos.resize(static_cast<size_t>(d.sq));
+      std::iota(q_pos.begin(), q_pos.end(), int64_t{0});
+    }
+    const std::optional<int64_t> missing = mask.FirstUncoveredQuery(q_pos);
+    Check(!missing, "mask: expected a dense mask holding a row for every query position, got one (",
+          Lazy([&] { return mask.ToString(); }), ") with no row for query position ",
+          missing.value_or(0));
   }
 
   if (opt.softcap) {

@@ -18,8 +18,11 @@ struct AttentionDims {
   int64_t b = 0, sq = 0, skv = 0, h = 0, hkv = 0, d = 0, dv = 0;
 };
 
-// Everything ValidateAttentionInputs checks; returns the sizes.
-AttentionDims ValidateInputsAndOptions(const AttentionInputs& in, const AttentionOptions& opt);
+// Everything ValidateAttentionInputs checks; returns the sizes. The ring
+// passes dense_positions = false: its inputs are a rank's shards, whose
+// global positions it checks against a dense mask itself.
+AttentionDims ValidateInputsAndOptions(const AttentionInputs& in, const AttentionOptions& opt,
+                                       bool dense_positions = true);
 
 // out [B, Sq, H, Dv] (dtype of q, or f32), lse [B, H, Sq] f32, sharing no
 // memory with each other or with an input of `in` (CheckNoAliasing).

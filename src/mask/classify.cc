@@ -45,9 +45,18 @@ BlockRanges RangesOf(std::span<const T> values, int64_t block) {
 BlockKind ClassifyDenseRect(const Node& leaf, int64_t head, int64_t q_lo, int64_t q_hi,
                             int64_t kv_lo, int64_t kv_hi) {
   constexpr int64_t g = Node::kGranule;
-  const bool inside = q_lo >= 0 && q_hi < leaf.sq && kv_lo >= 0 && kv_hi < leaf.skv;
-  const int64_t r0 = std::max<int64_t>(q_lo, 0);
-  const int64_t r1 = std::min<int64_t>(q_hi, leaf.sq - 1);
+  // Matrix rows [r0, r1] hold the rectangle's query positions; `inside`
+  // when they hold every one of them and the kv range is inside too.
+  int64_t r0 = std::max<int64_t>(q_lo, 0);
+  int64_t r1 = std::min<int64_t>(q_hi, leaf.sq - 1);
+  bool inside = q_lo >= 0 && q_hi < leaf.sq;
+  if (!leaf.row_pos.empty()) {  // DenseRows: the held rows within [q_lo, q_hi]
+    const auto& rows = leaf.row_pos;
+    r0 = std::lower_bound(rows.begin(), rows.end(), q_lo) - rows.begin();
+    r1 = (std::upper_bound(rows.begin(), rows.end(), q_hi) - rows.begin()) - 1;
+    inside = r1 - r0 == q_hi - q_lo;  // every position of the range is a held row
+  }
+  inside = inside && kv_lo >= 0 && kv_hi < leaf.skv;
   const int64_t c0 = std::max<int64_t>(kv_lo, 0);
   const int64_t c1 = std::min<int64_t>(kv_hi, leaf.skv - 1);
   if (r0 > r1 || c0 > c1) return BlockKind::kEmpty;

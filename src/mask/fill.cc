@@ -85,12 +85,12 @@ void FillDense(const Node& leaf, const TileCtx& t, uint8_t* out, int64_t ld) {
   const bool kv_inside = t.cols > 0 && t.kv[0] >= 0 && t.kv[t.cols - 1] < leaf.skv;
   for (int64_t i = 0; i < t.rows; ++i) {
     uint8_t* o = out + i * ld;
-    const int64_t q = t.q[i];
-    if (q < 0 || q >= leaf.sq) {
+    const int64_t r = DenseRow(leaf, t.q[i]);
+    if (r < 0) {
       std::memset(o, 0, static_cast<size_t>(t.cols));
       continue;
     }
-    const uint8_t* row = m + q * leaf.skv;
+    const uint8_t* row = m + r * leaf.skv;
     if (t.kv_contiguous && kv_inside) {
       std::memcpy(o, row + t.kv[0], static_cast<size_t>(t.cols));
       continue;

@@ -2,6 +2,9 @@
 #include "ringsplash/mask.h"
 
 #include <algorithm>
+#include <optional>
+#include <span>
+#include <string>
 #include <utility>
 
 #include "ringsplash/error.h"
@@ -104,7 +107,7 @@ void AppendText(const Node& n, bool parent_binds_and, std::string& out) {
       return;
     case NodeKind::kDense:
       // Not text-expressible: a descriptive form Parse rejects.
-      out += "dense[";
+      out += n.row_pos.empty() ? "dense[" : "dense_rows[";
       if (n.dense_heads != 0) {
         out += std::to_string(n.dense_heads);
         out += 'x';
@@ -204,15 +207,20 @@ void SummariseGranules(Node& node) {
 
 }  // namespace
 
-Mask Mask::Dense(std::vector<uint8_t> values, int64_t heads, int64_t sq, int64_t skv) {
-  Check(heads >= 0, "Mask::Dense: heads must be >= 0 (0: shared by all heads), got ", heads);
+namespace {
+
+// The node of a Dense leaf of `sq` matrix rows, checked; `fn` names the
+// factory in messages.
+std::shared_ptr<Node> DenseNode(const char* fn, std::vector<uint8_t> values, int64_t heads,
+                                int64_t sq, int64_t skv) {
+  Check(heads >= 0, fn, ": heads must be >= 0 (0: shared by all heads), got ", heads);
   // A zero extent covers no position: any attention call using it would fail
   // later with a less direct message, so refuse it here.
-  Check(sq > 0 && skv > 0, "Mask::Dense: sq and skv must be > 0, got sq=", sq, " skv=", skv);
+  Check(sq > 0 && skv > 0, fn, ": sq and skv must be > 0, got sq=", sq, " skv=", skv);
   const Int128 expected = Int128{std::max<int64_t>(heads, 1)} * sq * skv;
-  Check(expected <= INT64_MAX, "Mask::Dense: heads * sq * skv overflows int64 (heads=", heads,
-        " sq=", sq, " skv=", skv, ")");
-  Check(Int128{static_cast<int64_t>(values.size())} == expected, "Mask::Dense: values must hold ",
+  Check(expected <= INT64_MAX, fn, ": heads * sq * skv overflows int64 (heads=", heads, " sq=", sq,
+        " skv=", skv, ")");
+  Check(Int128{static_cast<int64_t>(values.size())} == expected, fn, ": values must hold ",
         heads == 0 ? "sq * skv" : "heads * sq * skv", " = ", static_cast<long long>(expected),
         " bytes for heads=", heads, " sq=", sq, " skv=", skv, ", got ", values.size());
   for (uint8_t& v : values) v = v != 0 ? 1 : 0;
@@ -227,6 +235,28 @@ Mask Mask::Dense(std::vector<uint8_t> values, int64_t heads, int64_t sq, int64_t
   node->dense_sq = sq;
   node->dense_skv = skv;
   SummariseGranules(*node);
+  return node;
+}
+
+}  // namespace
+
+Mask Mask::Dense(std::vector<uint8_t> values, int64_t heads, int64_t sq, int64_t skv) {
+  return Mask(DenseNode("Mask::Dense", std::move(values), heads, sq, skv));
+}
+
+Mask Mask::DenseRows(std::vector<uint8_t> values, int64_t heads, std::vector<int64_t> rows,
+                     int64_t skv) {
+  Check(!rows.empty(), "Mask::DenseRows: rows must list at least one query position");
+  for (size_t r = 0; r < rows.size(); ++r) {
+    Check(rows[r] >= 0 && (r == 0 || rows[r] > rows[r - 1]),
+          "Mask::DenseRows: rows must be non-negative and strictly increasing, got rows[", r,
+          "] = ", rows[r], r == 0 ? "" : " after ", r == 0 ? "" : std::to_string(rows[r - 1]));
+  }
+  // The matrix has rows.size() rows; their positions are rows' values.
+  auto node = DenseNode("Mask::DenseRows", std::move(values), heads,
+                        static_cast<int64_t>(rows.size()), skv);
+  node->dense_sq = rows.back() + 1;
+  node->row_pos = std::move(rows);
   return Mask(std::move(node));
 }
 
@@ -260,6 +290,29 @@ bool Mask::Allowed(int64_t head, int64_t q_pos, int64_t kv_pos) const {
   Check(heads == 0 || (head >= 0 && head < heads), "Mask::Allowed: head must be in [0, ", heads,
         ") for this head-dependent mask, got ", head);
   return NodeAllowed(*node_, head, q_pos, kv_pos);
+}
+
+namespace {
+
+// The first of `q` (sorted or not) that `n`'s Dense leaves do not all hold.
+std::optional<int64_t> FirstUncovered(const Node& n, std::span<const int64_t> q) {
+  if (!n.has_dense) return std::nullopt;
+  if (n.kind == NodeKind::kDense) {
+    for (const int64_t pos : q) {
+      if (mask_detail::DenseRow(n, pos) < 0) return pos;
+    }
+    return std::nullopt;
+  }
+  for (const auto& child : n.children) {
+    if (auto missing = FirstUncovered(*child, q)) return missing;
+  }
+  return std::nullopt;
+}
+
+}  // namespace
+
+std::optional<int64_t> Mask::FirstUncoveredQuery(std::span<const int64_t> q_positions) const {
+  return FirstUncovered(*node_, q_positions);
 }
 
 int64_t Mask::num_heads() const { return node_->num_heads; }

@@ -12,6 +12,7 @@
 #ifndef RINGSPLASH_SRC_MASK_MASK_NODE_H_
 #define RINGSPLASH_SRC_MASK_MASK_NODE_H_
 
+#include <algorithm>
 #include <cstdint>
 #include <memory>
 #include <vector>
@@ -48,8 +49,12 @@ struct Node {
   // 0 / 1. dense_heads == 0 means one matrix shared by every head.
   std::vector<uint8_t> values;
   int64_t dense_heads = 0;
-  int64_t sq = 0;
+  int64_t sq = 0;  // matrix rows
   int64_t skv = 0;
+  // kDense from Mask::DenseRows: row_pos[r] is the global query position of
+  // matrix row r (strictly increasing). Empty (Mask::Dense): row r is
+  // position r.
+  std::vector<int64_t> row_pos;
   // kDense: what each kGranule x kGranule square of positions holds,
   // row-major [max(dense_heads, 1), ceil(sq / kGranule), ceil(skv / kGranule)]:
   // kGranuleEmpty, kGranuleFull or kGranuleMixed (a square cut by the
@@ -137,11 +142,20 @@ inline bool IsStructuredLeaf(NodeKind kind) {
          kind == NodeKind::kChunked;
 }
 
-// Element predicate of one Dense leaf at global positions (false outside
-// the matrix extent).
+// The matrix row of a Dense leaf holding global query position q, or -1
+// when it holds none (outside the extent, or not among DenseRows' rows).
+inline int64_t DenseRow(const Node& leaf, int64_t q) {
+  if (leaf.row_pos.empty()) return q >= 0 && q < leaf.sq ? q : -1;
+  const auto it = std::lower_bound(leaf.row_pos.begin(), leaf.row_pos.end(), q);
+  return it != leaf.row_pos.end() && *it == q ? it - leaf.row_pos.begin() : -1;
+}
+
+// Element predicate of one Dense leaf at global positions (false where it
+// holds no row, or kv is outside its extent).
 inline bool DenseAllowed(const Node& leaf, int64_t head, int64_t q, int64_t kv) {
-  if (q < 0 || q >= leaf.sq || kv < 0 || kv >= leaf.skv) return false;
-  return leaf.DenseMatrix(head)[q * leaf.skv + kv] != 0;
+  const int64_t r = DenseRow(leaf, q);
+  if (r < 0 || kv < 0 || kv >= leaf.skv) return false;
+  return leaf.DenseMatrix(head)[r * leaf.skv + kv] != 0;
 }
 
 }  // namespace ringsplash::mask_detail

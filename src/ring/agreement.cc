@@ -113,8 +113,10 @@ float BitsFloat(uint32_t u) {
 
 // The bytes of every Dense leaf (values are normalised to 0/1 at
 // construction, so equal masks have equal bytes).
+// Leaves of Mask::DenseRows hold each rank's OWN rows, which differ by rank
+// by design: only their shape (in the text) is compared.
 void HashDenseLeaves(const mask_detail::Node& node, Hasher& h) {
-  if (node.kind == mask_detail::NodeKind::kDense)
+  if (node.kind == mask_detail::NodeKind::kDense && node.row_pos.empty())
     h.AddBytes(node.values.data(), node.values.size());
   for (const auto& child : node.children) HashDenseLeaves(*child, h);
 }

@@ -2,11 +2,13 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <optional>
 #include <thread>
 #include <vector>
 
 #include "ringsplash/error.h"
 #include "src/kernels/combine.h"
+#include "src/mask/mask_node.h"
 #include "src/ring/ring_internal.h"
 
 namespace ringsplash::ring_internal {
@@ -14,6 +16,15 @@ namespace ringsplash::ring_internal {
 namespace {
 
 size_t AlignUp(size_t n) { return (n + 63) / 64 * 64; }
+
+// Whether some Dense leaf of the mask holds only listed rows (DenseRows).
+bool HasDenseRows(const mask_detail::Node& n) {
+  if (n.kind == mask_detail::NodeKind::kDense) return !n.row_pos.empty();
+  for (const auto& child : n.children) {
+    if (HasDenseRows(*child)) return true;
+  }
+  return false;
+}
 
 }  // namespace
 
@@ -103,7 +114,7 @@ RingSetup PrepareRing(Communicator& comm, const AttentionInputs& local, const Ri
         "from the layout), got ",
         local.q_positions.size(), " and ", local.kv_positions.size());
   const AttentionOptions& opt = options.attention;
-  s.dims = kernels::ValidateInputsAndOptions(local, opt);
+  s.dims = kernels::ValidateInputsAndOptions(local, opt, /*dense_positions=*/false);
   const float scale = opt.scale ? *opt.scale : 1.0f / std::sqrt(static_cast<float>(s.dims.d));
   // Before anything derived from this rank's own view of the global problem.
   CheckRanksAgree(comm, local, options, s.dims, scale, backward);
@@ -118,10 +129,21 @@ RingSetup PrepareRing(Communicator& comm, const AttentionInputs& local, const Ri
         options.layout, s.skv_global, src, n, "global kv sequence length (local Skv x ranks)");
   }
   if (opt.mask.has_dense()) {
-    Check(s.sq_global <= opt.mask.dense_sq() && s.skv_global <= opt.mask.dense_skv(),
+    // A global Dense leaf must cover the global sequence (the same check, and
+    // Error, on every rank); DenseRows leaves hold each rank's own rows, so
+    // only this rank's positions can be checked against them.
+    const bool rows = HasDenseRows(opt.mask.node());
+    Check((rows || s.sq_global <= opt.mask.dense_sq()) && s.skv_global <= opt.mask.dense_skv(),
           "mask: expected a dense mask covering the global sequence [", s.sq_global, ", ",
           s.skv_global, "] (local lengths x ", n, " ranks), got a dense extent of [",
           opt.mask.dense_sq(), ", ", opt.mask.dense_skv(), "]");
+    const std::optional<int64_t> missing = opt.mask.FirstUncoveredQuery(s.q_pos);
+    Check(!missing,
+          "mask: expected a dense mask holding a row for each of this rank's query "
+          "positions (rank ",
+          s.rank, " of ", n, ", layout ", LayoutName(options.layout),
+          "), got one with no row for global position ", missing.value_or(0),
+          " (Mask::DenseRows(values, heads, LayoutPositions(layout, Sq, rank, N), Skv))");
   }
   kernels::FlashParams& p = s.params;
   p.q = local.q;
