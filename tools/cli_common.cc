@@ -4,11 +4,11 @@
 #include <algorithm>
 #include <cstdlib>
 #include <optional>
-#include <thread>
 
 #include "ringsplash/attention.h"
 #include "ringsplash/error.h"
 #include "ringsplash/ring.h"
+#include "src/comm/cores.h"
 
 namespace ringsplash::cli {
 
@@ -63,9 +63,10 @@ int LocalRanks(int fallback) {
   return fallback;
 }
 
-int DefaultThreadsPerRank(int ranks_on_this_machine) {
-  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  return std::max(1, cores / std::max(1, ranks_on_this_machine));
+int DefaultThreadsPerRank(const Communicator& comm) { return comm.DefaultThreads(); }
+
+int DefaultThreadsPerRank(int ranks_sharing_cores) {
+  return std::max(1, comm_internal::UsableCores() / std::max(1, ranks_sharing_cores));
 }
 
 void CheckEnvironment(int ranks, bool backward) {

@@ -77,9 +77,16 @@ void SumInto(Communicator& comm, std::vector<float>& data);
 // Rank 0's `value` (< 2^48) on every rank.
 uint64_t Broadcast(Communicator& comm, uint64_t value);
 
-// Kernel threads per rank when the user gave none: this machine's cores
-// shared by the ranks on it (Open MPI's local size when under mpirun), >= 1.
-int DefaultThreadsPerRank(int ranks_on_this_machine);
+// Kernel threads per rank when the user gave none: comm.DefaultThreads()
+// (include/ringsplash/comm.h: the cores this rank's process may use — its
+// affinity mask — shared by the ranks that run on them; under mpirun, the
+// processes on this machine whose masks overlap). >= 1.
+int DefaultThreadsPerRank(const Communicator& comm);
+// The same for `ranks_sharing_cores` ranks that share this process's cores
+// (the thread ranks of one RunThreadRanks, before their communicators
+// exist): the process's usable cores / ranks_sharing_cores, >= 1 — what
+// their communicators' DefaultThreads() will say.
+int DefaultThreadsPerRank(int ranks_sharing_cores);
 // Ranks sharing this machine: OMPI_COMM_WORLD_LOCAL_SIZE under Open MPI,
 // else `fallback`.
 int LocalRanks(int fallback);

@@ -58,7 +58,7 @@ struct FaultSpec {
 class RingPlan;
 
 struct RingOptions {
-  AttentionOptions attention;  // num_threads = kernel threads of this rank (0: cores / N, >= 1)
+  AttentionOptions attention;  // num_threads: this rank's kernel threads (0: comm.DefaultThreads())
   Layout layout = Layout::kZigzag;
   std::optional<FaultSpec> fault;  // default: FaultSpec::FromEnv()
   // Block metadata built once for many calls (RingPlan, below); null: each
@@ -152,15 +152,13 @@ struct RankStats {
 // also refuses out or lse sharing memory with dout (its forward writes them
 // while other ranks may still read their dout shard).
 //
-// Threads: one call at a time per Communicator — a Communicator belongs to
-// its rank's thread, and two calls on one communicator would mix their
-// transfers (not detected). Calls on different communicators may run at
-// once: threads-backend rings (each RunThreadRanks, and so each
-// RingAttentionThreads, makes its own communicators) run beside each other
-// and beside single-device calls, each giving bitwise what it gives alone.
-// The mpi backend is different: every MPI communicator of a process shares
-// one MPI communicator and message tag, so a process runs one MPI ring call
-// at a time. Each call starts its own kernel threads (num_threads).
+// Threads: one call at a time per Communicator (two calls on one
+// communicator would mix their transfers; not detected). Calls on different
+// communicators may run at once on either backend — different
+// RunThreadRanks, different groups of one job (Communicator::Split,
+// comm_mpi.h), even two rings of one process — beside each other and beside
+// single-device calls, each giving bitwise what it gives alone. Each call
+// starts its own kernel threads (num_threads).
 //
 // Errors: a rank's argument errors are thrown before that rank writes
 // anything (ranks that disagree all throw so, before any rank writes). When

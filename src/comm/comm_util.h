@@ -8,6 +8,7 @@
 #include <cstddef>
 #include <sstream>
 #include <string>
+#include <vector>
 
 #include "ringsplash/comm.h"
 
@@ -38,6 +39,16 @@ inline std::string FormatSeconds(double seconds) {
 inline std::string PeerFailedMessage(int failed_rank, const std::string& reason) {
   return "rank " + std::to_string(failed_rank) + " failed: " + reason;
 }
+
+// What messages about a sub-communicator append to name its group: " of
+// group {1, 3}" (job ranks; long groups abbreviated: " of group {0, 2, 4,
+// 6, 8, 10, 12, 14, ... (512 ranks)}").
+std::string GroupLabel(const std::vector<int>& job_ranks);
+
+// AllToAll's argument checks, shared by the backends (Error naming the
+// argument): buffers null with bytes, a total size that overflows, send and
+// recv overlapping.
+void CheckAllToAllArguments(const void* send, const void* recv, size_t bytes_per_rank, int size);
 
 // The link model a communicator uses: options.link, else RINGSPLASH_LINK,
 // else none; throws Error if it is invalid.

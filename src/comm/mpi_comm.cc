@@ -5,37 +5,51 @@
 // sit still until Wait. A per-process progress thread therefore owns MPI: it
 // initialises it (MPI_THREAD_FUNNELED suffices, as no other thread calls
 // MPI; an MPI that grants less is refused with an Error), posts the
-// Isend/Irecv of each shift, polls MPI_Test on everything in flight every
-// RINGSPLASH_MPI_POLL_US microseconds (default 50) and finalises at exit. The
-// compute threads only queue commands and block on a condition variable.
+// Isend/Irecv of each shift and all-to-all and the non-blocking collectives,
+// polls MPI_Test on everything in flight every RINGSPLASH_MPI_POLL_US
+// microseconds (default 50) and finalises at exit. The compute threads only
+// queue commands and block on a condition variable.
 // RINGSPLASH_MPI_PROGRESS=wait restricts polling of transfers to while some
 // Wait is blocked — the "no progress thread" baseline the overlap test
 // measures against.
 //
-// Link model (CommOptions::link, for testing): when the progress thread sees
-// a shift's receive complete, it schedules the message on the incoming
-// LinkClock and reports the receive done only once the modelled arrival has
-// passed. The modelled time thus starts only when this process drives MPI:
-// with RINGSPLASH_MPI_PROGRESS=wait it starts inside Wait and is exposed in
-// full, which is what lets the overlap tests prove they can fail.
+// Communicators. Each Communicator has an MPI communicator of its own
+// (CommState): MakeMpiCommunicator duplicates MPI_COMM_WORLD or the
+// application's communicator (MPI_Comm_idup, polled like a transfer), Split
+// gathers every rank's (color, key) with MPI_Iallgather and then calls
+// MPI_Comm_split, which no longer waits for anyone (every rank is past the
+// gather). Messages of different communicators therefore never match, so
+// shift sequence numbers, collectives and the tags (one for shifts, one for
+// all-to-alls) are per communicator, and rings on different communicators
+// run at once. The progress thread serves all of them.
 //
-// Failure. A rank that fails calls Abort(): it sends its reason to every peer
-// on a separate tag (non-blocking). Every process keeps a receive posted on
-// that tag and polls it, so a peer's Wait/AllReduce/Barrier throws
-// "rank R failed: <reason>" within a poll interval; a peer that goes silent
-// makes waits fail after CommOptions::timeout_s. After a failure pending
-// receives into caller buffers are cancelled (bounded) before the error
-// propagates, so callers may free them. A process that saw a failure does not
-// call MPI_Finalize (it could block on dead peers): it exits with the
-// application's code, which mpirun turns into a failed job; the rank that
-// originated the failure lingers up to min(timeout, 2 s) at exit so its
-// abort messages reach, and are reported by, the others before mpirun tears
-// the job down. A finalise that does not finish within the timeout ends the
-// process with _Exit(1): never a hang.
+// Link model (CommOptions::link, for testing): when the progress thread sees
+// a shift's receive complete, it schedules the message on the communicator's
+// incoming LinkClock and reports the receive done only once the modelled
+// arrival has passed. The modelled time thus starts only when this process
+// drives MPI: with RINGSPLASH_MPI_PROGRESS=wait it starts inside Wait and is
+// exposed in full, which is what lets the overlap tests prove they can fail.
+//
+// Failure is per process and per job. A rank that fails calls Abort(): it
+// sends its reason to every process of MPI_COMM_WORLD on the runtime's own
+// duplicate of it and a separate tag (non-blocking). Every process keeps a
+// receive posted there and polls it, so a peer's Wait/AllReduce/Barrier/...
+// on ANY communicator throws "rank R failed: <reason>" (R: the world rank)
+// within a poll interval; a peer that goes silent makes waits fail after
+// CommOptions::timeout_s. After a failure pending receives into caller
+// buffers are cancelled (bounded) before the error propagates, so callers
+// may free them. A process that saw a failure does not call MPI_Finalize (it
+// could block on dead peers): it exits with the application's code, which
+// mpirun turns into a failed job; the rank that originated the failure
+// lingers up to min(timeout, 2 s) at exit so its abort messages reach, and
+// are reported by, the others before mpirun tears the job down. A finalise
+// that does not finish within the timeout ends the process with _Exit(1):
+// never a hang. When the application owns MPI, the runtime stops as the
+// application's MPI_Finalize starts (an attribute on MPI_COMM_SELF), so that
+// no ringsplash call into MPI outlives it.
 #include <mpi.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <condition_variable>
 #include <cstdlib>
@@ -50,33 +64,28 @@
 #include <vector>
 
 #include "ringsplash/comm.h"
+#include "ringsplash/comm_mpi.h"
 #include "ringsplash/error.h"
 #include "src/comm/comm_util.h"
+#include "src/comm/cores.h"
+#include "src/comm/mpi_ops.h"
 
 namespace ringsplash {
 
 namespace {
 
 using comm_internal::Clock;
+using comm_internal::CommState;
 using comm_internal::DeadlineAfter;
 using comm_internal::FormatSeconds;
-using comm_internal::LinkClock;
+using comm_internal::MpiErrorText;
+using comm_internal::Op;
+using comm_internal::OpKind;
 using comm_internal::PeerFailedMessage;
 using Handle = Communicator::Handle;
 
-constexpr int kShiftTag = 7301;
 constexpr int kAbortTag = 7302;
 constexpr int kAbortMessageMax = 1024;
-// MPI counts are int: larger shifts go as several messages (same tag, so
-// they match in order).
-constexpr size_t kMaxMessageBytes = size_t{1} << 30;
-
-std::string MpiErrorText(int code) {
-  char text[MPI_MAX_ERROR_STRING];
-  int len = 0;
-  if (MPI_Error_string(code, text, &len) != MPI_SUCCESS) return "MPI error " + std::to_string(code);
-  return std::string(text, static_cast<size_t>(len));
-}
 
 std::string ThreadLevelName(int level) {
   if (level == MPI_THREAD_SINGLE) return "MPI_THREAD_SINGLE";
@@ -117,33 +126,6 @@ struct Tuning {
   }
 };
 
-enum class OpKind { kShift, kAllReduce, kBarrier };
-
-// One queued or in-flight operation. Fields above the marker are set by the
-// posting thread before the op is queued and never changed; `requests`
-// belong to the progress thread; the rest is guarded by Runtime::mu_.
-struct Op {
-  OpKind kind = OpKind::kShift;
-  int64_t seq = 0;  // shift # or collective #
-  const void* send = nullptr;
-  void* recv = nullptr;
-  size_t bytes = 0;
-  std::vector<float> contrib;   // all-reduce: this rank's values (owned copy)
-  std::vector<float> gathered;  // all-reduce: every rank's values, rank-major
-  LinkModel link;               // shift: the emulated link (inactive: none)
-  // --- progress thread only
-  std::vector<MPI_Request> recv_requests, send_requests;
-  std::vector<int> recv_sizes;  // bytes posted per receive request
-  MPI_Request coll_request = MPI_REQUEST_NULL;
-  bool link_scheduled = false;  // the receive completed; modelled arrival set
-  Clock::time_point arrival;    // ... at this time
-  // --- guarded by mu_
-  bool recv_done = false;
-  bool send_done = false;
-  bool done = false;
-  std::string error;
-};
-
 class Runtime {
  public:
   // The process-wide runtime; starts the progress thread (and MPI) on first
@@ -176,55 +158,46 @@ class Runtime {
   }
 
   int rank() const { return rank_; }
-  int size() const { return size_; }
+  int default_threads() const { return default_threads_; }
 
-  Handle StartShift(const void* send, void* recv, size_t bytes, const LinkModel& link) {
-    auto op = std::make_shared<Op>();
-    op->kind = OpKind::kShift;
-    op->send = send;
-    op->recv = recv;
-    op->bytes = bytes;
-    op->link = link;
+  // Queues `op` for the progress thread. Throws if the job has failed or MPI
+  // is finalised.
+  void Submit(const std::shared_ptr<Op>& op) {
     std::unique_lock<std::mutex> lock(mu_);
     if (failed_) ThrowFailureLocked(lock);
-    op->seq = next_shift_++;
-    const Handle h = next_handle_++;
-    ops_[h] = op;
+    Check(!finalize_requested_, "comm backend 'mpi': MPI is being finalised; no more calls");
     queue_.push_back(op);
     progress_cv_.notify_one();
-    return h;
   }
 
-  void Wait(Handle handle, double timeout_s) {
+  // Blocks until `op` is done; throws Error on a failure of the job, an
+  // error of the op or the timeout.
+  void Wait(Op& op, double timeout_s) {
     std::unique_lock<std::mutex> lock(mu_);
-    auto it = ops_.find(handle);
-    if (it == ops_.end()) {
-      Fail("Wait: rank ", rank_, " has no pending shift with handle ", handle,
-           " (never started or already waited for)");
-    }
-    std::shared_ptr<Op> op = it->second;
-    WaitOp(lock, *op, timeout_s);
-    ops_.erase(handle);
+    WaitOp(lock, op, timeout_s);
   }
 
-  // Sum over ranks in rank order (identical bits everywhere): an Iallgather of
-  // everyone's values, then a local sum. count == 0 is a barrier.
-  void AllReduce(float* data, size_t count, double timeout_s) {
+  // A communicator of its own over `source`'s ranks (MPI_Comm_idup).
+  std::shared_ptr<CommState> Duplicate(MPI_Comm source, double timeout_s) {
     auto op = std::make_shared<Op>();
-    op->kind = count == 0 ? OpKind::kBarrier : OpKind::kAllReduce;
-    op->contrib.assign(data, data + count);
-    op->gathered.resize(count * static_cast<size_t>(size_));
-    std::unique_lock<std::mutex> lock(mu_);
-    if (failed_) ThrowFailureLocked(lock);
-    op->seq = next_collective_++;
-    queue_.push_back(op);
-    progress_cv_.notify_one();
-    WaitOp(lock, *op, timeout_s);
-    for (size_t i = 0; i < count; ++i) {
-      float sum = op->gathered[i];
-      for (int r = 1; r < size_; ++r) sum += op->gathered[static_cast<size_t>(r) * count + i];
-      data[i] = sum;
+    op->kind = OpKind::kDup;
+    op->dup_source = source;
+    Submit(op);
+    Wait(*op, timeout_s);
+    return op->result;
+  }
+
+  // The communicator's owner is gone: the progress thread frees it (pending
+  // operations on it still complete, as MPI_Comm_free promises).
+  void Release(std::shared_ptr<CommState> cs) noexcept {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (failed_ || finalize_requested_ || cs == nullptr) return;
+    try {
+      to_free_.push_back(std::move(cs));
+    } catch (...) {
+      return;  // out of memory: the MPI communicator stays until MPI goes
     }
+    progress_cv_.notify_one();
   }
 
   void Abort(const std::string& reason) noexcept {
@@ -278,17 +251,9 @@ class Runtime {
       if (!op.error.empty()) AbortAndThrowLocked(lock, op.error);
       if (op.done) return;
       if (Clock::now() >= deadline) {
-        std::string what;
-        if (op.kind == OpKind::kShift) {
-          const int peer = op.recv_done ? (rank_ + 1) % size_ : (rank_ + size_ - 1) % size_;
-          what = "rank " + std::to_string(peer) + " in shift #" + std::to_string(op.seq);
-        } else {
-          what = std::string("the other ranks in ") +
-                 (op.kind == OpKind::kBarrier ? "barrier #" : "all-reduce #") +
-                 std::to_string(op.seq);
-        }
         AbortAndThrowLocked(lock, "rank " + std::to_string(rank_) + ": timed out after " +
-                                      FormatSeconds(timeout_s) + " waiting for " + what);
+                                      FormatSeconds(timeout_s) + " waiting for " +
+                                      comm_internal::WaitingFor(op));
       }
       cv_.wait_until(lock, deadline);
     }
@@ -387,12 +352,23 @@ class Runtime {
     MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN);
     MPI_Comm_rank(comm_, &rank_);
     MPI_Comm_size(comm_, &size_);
+    MPI_Comm_group(comm_, &world_group_);
+    default_threads_ = comm_internal::SharedCoresPerProcess(comm_);
     abort_in_.assign(kAbortMessageMax, '\0');
     rc = MPI_Irecv(abort_in_.data(), kAbortMessageMax, MPI_CHAR, MPI_ANY_SOURCE, kAbortTag, comm_,
                    &abort_recv_);
     if (rc != MPI_SUCCESS) {
       *error = "MPI_Irecv (abort channel) failed: " + MpiErrorText(rc);
       return false;
+    }
+    if (!owns_mpi_) {
+      // MPI_Finalize frees MPI_COMM_SELF first, calling this attribute's
+      // delete function: the runtime stops before MPI goes.
+      int keyval = MPI_KEYVAL_INVALID;
+      if (MPI_Comm_create_keyval(MPI_COMM_NULL_COPY_FN, &Runtime::OnFinalize, &keyval, nullptr) ==
+          MPI_SUCCESS) {
+        MPI_Comm_set_attr(MPI_COMM_SELF, keyval, nullptr);
+      }
     }
     return true;
   }
@@ -405,17 +381,20 @@ class Runtime {
     bool lingering = false;
     for (;;) {
       std::deque<std::shared_ptr<Op>> incoming;
+      std::vector<std::shared_ptr<CommState>> to_free;
       bool send_abort = false, failed = false, finalize = false, test_transfers = true;
       {
         std::unique_lock<std::mutex> lock(mu_);
         const auto wake = [&] {
-          return !queue_.empty() || send_abort_ || finalize_requested_ || (failed_ && !quiesced_);
+          return !queue_.empty() || send_abort_ || finalize_requested_ || (failed_ && !quiesced_) ||
+                 !to_free_.empty();
         };
         // Poll fast while transfers are in flight, slowly (abort channel
         // only) when idle; a new command wakes the thread at once.
         const bool busy = !active.empty() || !abort_sends.empty();
         progress_cv_.wait_for(lock, busy ? poll_interval_ : std::chrono::milliseconds(2), wake);
         incoming.swap(queue_);
+        to_free.swap(to_free_);
         send_abort = std::exchange(send_abort_, false);
         failed = failed_;
         finalize = finalize_requested_;
@@ -424,6 +403,7 @@ class Runtime {
       if (!failed) {
         for (const std::shared_ptr<Op>& op : incoming) Post(*op);
         active.insert(active.end(), incoming.begin(), incoming.end());
+        for (const std::shared_ptr<CommState>& cs : to_free) MPI_Comm_free(&cs->comm);
       }
       if (send_abort) SendAbort(&abort_sends);
       TestAll(&abort_sends);
@@ -440,7 +420,10 @@ class Runtime {
       }
       if (finalize) {
         if (!failed) {
-          FinalizeMpi();
+          // Ringsplash's MPI: the last MPI calls, from this thread. The
+          // application's: whoever stops the runtime releases its objects
+          // (Shutdown), with MPI still up.
+          if (owns_mpi_) FinalizeMpi();
           return;
         }
         // After a failure MPI_Finalize could block on dead peers: skip it.
@@ -458,130 +441,46 @@ class Runtime {
   }
 
   void Post(Op& op) {
-    int rc = MPI_SUCCESS;
-    if (op.kind == OpKind::kShift) {
-      const int next = (rank_ + 1) % size_;
-      const int prev = (rank_ + size_ - 1) % size_;
-      // Receives first; zero-byte shifts still send one (empty) message so
-      // the sequence of messages stays matched.
-      for (size_t off = 0; off == 0 || off < op.bytes; off += kMaxMessageBytes) {
-        const int n = static_cast<int>(std::min(kMaxMessageBytes, op.bytes - off));
-        MPI_Request rq;
-        rc = MPI_Irecv(static_cast<char*>(op.recv) + off, n, MPI_BYTE, prev, kShiftTag, comm_, &rq);
-        if (rc != MPI_SUCCESS) break;
-        op.recv_requests.push_back(rq);
-        op.recv_sizes.push_back(n);
-        if (op.bytes == 0) break;
-      }
-      for (size_t off = 0; rc == MPI_SUCCESS && (off == 0 || off < op.bytes);
-           off += kMaxMessageBytes) {
-        const int n = static_cast<int>(std::min(kMaxMessageBytes, op.bytes - off));
-        MPI_Request rq;
-        rc = MPI_Isend(static_cast<const char*>(op.send) + off, n, MPI_BYTE, next, kShiftTag, comm_,
-                       &rq);
-        if (rc != MPI_SUCCESS) break;
-        op.send_requests.push_back(rq);
-        if (op.bytes == 0) break;
-      }
-    } else if (op.kind == OpKind::kAllReduce) {
-      const int n = static_cast<int>(op.contrib.size());
-      rc = MPI_Iallgather(op.contrib.data(), n, MPI_FLOAT, op.gathered.data(), n, MPI_FLOAT, comm_,
-                          &op.coll_request);
-    } else {
-      rc = MPI_Ibarrier(comm_, &op.coll_request);
-    }
-    if (rc != MPI_SUCCESS) SetError(op, "posting failed: " + MpiErrorText(rc));
-  }
-
-  // Tests a list of requests; returns true when all are complete. Completed
-  // entries become MPI_REQUEST_NULL. With `expected` (receives), a message
-  // shorter than posted is an error: the peer sent fewer bytes.
-  bool TestList(std::vector<MPI_Request>& requests, const std::vector<int>* expected,
-                std::string* error) {
-    bool all = true;
-    for (size_t i = 0; i < requests.size(); ++i) {
-      MPI_Request& rq = requests[i];
-      if (rq == MPI_REQUEST_NULL) continue;
-      int flag = 0;
-      MPI_Status status;
-      const int rc = MPI_Test(&rq, &flag, &status);
-      if (rc != MPI_SUCCESS) {
-        *error = MpiErrorText(rc);
-        return false;
-      }
-      if (!flag) {
-        all = false;
-        continue;
-      }
-      if (expected != nullptr) {
-        int count = 0;
-        MPI_Get_count(&status, MPI_BYTE, &count);
-        if (count != (*expected)[i]) {
-          *error = "received " + std::to_string(count) + " bytes from rank " +
-                   std::to_string(status.MPI_SOURCE) + " where " + std::to_string((*expected)[i]) +
-                   " were expected (shift sizes differ)";
-          return false;
-        }
-      }
-    }
-    return all;
+    std::string error;
+    if (!comm_internal::PostOp(op, &error)) SetError(op, error);
   }
 
   void TestOps(std::vector<std::shared_ptr<Op>>* active) {
     for (auto it = active->begin(); it != active->end();) {
       Op& op = **it;
-      std::string error;
-      bool recv_done = false, send_done = false, done = false;
-      if (op.kind == OpKind::kShift) {
-        recv_done = TestList(op.recv_requests, &op.recv_sizes, &error);
-        if (recv_done && op.link.active() && size_ > 1) {
-          // The data is here; the emulated link delivers it later.
-          const Clock::time_point now = Clock::now();
-          if (!op.link_scheduled) {
-            op.arrival = in_link_.Schedule(op.link, now, op.bytes);
-            op.link_scheduled = true;
-          }
-          recv_done = now >= op.arrival;
-        }
-        if (error.empty()) send_done = TestList(op.send_requests, nullptr, &error);
-        done = recv_done && send_done;
-      } else {
-        int flag = 0;
-        const int rc = MPI_Test(&op.coll_request, &flag, MPI_STATUS_IGNORE);
-        if (rc != MPI_SUCCESS) error = MpiErrorText(rc);
-        done = flag != 0;
-      }
-      if (!error.empty()) {
-        SetError(op, error);
+      comm_internal::Progress p = comm_internal::TestOp(op, world_group_);
+      if (!p.error.empty()) {
+        SetError(op, p.error);
         it = active->erase(it);
         continue;
       }
-      if (recv_done || send_done || done) {
+      if (p.recv_done || p.send_done || p.done || p.missing_changed) {
         std::lock_guard<std::mutex> lock(mu_);
-        op.recv_done = op.recv_done || recv_done;
-        op.send_done = op.send_done || send_done;
-        op.done = done;
-        if (done) cv_.notify_all();
+        op.recv_done = op.recv_done || p.recv_done;
+        op.send_done = op.send_done || p.send_done;
+        if (p.missing_changed) op.missing = p.missing;
+        if (p.done) {
+          op.result = std::move(p.result);
+          op.done = true;
+          cv_.notify_all();
+        }
       }
-      it = done ? active->erase(it) : it + 1;
+      it = p.done ? active->erase(it) : it + 1;
     }
   }
 
   void SetError(Op& op, const std::string& what) {
     std::lock_guard<std::mutex> lock(mu_);
-    op.error =
-        "rank " + std::to_string(rank_) + ": " +
-        (op.kind == OpKind::kShift
-             ? "shift #" + std::to_string(op.seq) + " (" + std::to_string(op.bytes) + " bytes)"
-             : std::string(op.kind == OpKind::kBarrier ? "barrier #" : "all-reduce #") +
-                   std::to_string(op.seq)) +
-        ": " + what;
+    op.error = "rank " + std::to_string(rank_) + ": " + comm_internal::Describe(op) + ": " + what;
     cv_.notify_all();
   }
 
   void TestAll(std::vector<MPI_Request>* requests) {
     std::string ignored;
-    if (TestList(*requests, nullptr, &ignored) || !ignored.empty()) requests->clear();
+    if (comm_internal::TestList(*requests, nullptr, nullptr, nullptr, &ignored) ||
+        !ignored.empty()) {
+      requests->clear();
+    }
   }
 
   // True once a peer's abort message has arrived (recorded as the failure).
@@ -640,48 +539,80 @@ class Runtime {
     }
     const Clock::time_point deadline = DeadlineAfter(1.0);
     std::string ignored;
-    while (!TestList(recvs, nullptr, &ignored) && ignored.empty() && Clock::now() < deadline) {
+    while (!comm_internal::TestList(recvs, nullptr, nullptr, nullptr, &ignored) &&
+           ignored.empty() && Clock::now() < deadline) {
       std::this_thread::sleep_for(poll_interval_);
     }
     // Collectives cannot be cancelled: keep their buffers alive for good.
     for (const std::shared_ptr<Op>& op : *active) {
-      if (op->kind != OpKind::kShift) graveyard_.push_back(op);
+      if (op->coll_request != MPI_REQUEST_NULL) graveyard_.push_back(op);
     }
     active->clear();
   }
 
-  void FinalizeMpi() {
+  // The runtime's own MPI objects; with `finalize`, MPI itself (ours).
+  void ReleaseMpiObjects() {
     if (abort_recv_ != MPI_REQUEST_NULL) {
       MPI_Cancel(&abort_recv_);
       MPI_Wait(&abort_recv_, MPI_STATUS_IGNORE);
     }
+    MPI_Group_free(&world_group_);
     MPI_Comm_free(&comm_);
-    if (owns_mpi_) MPI_Finalize();
+  }
+
+  void FinalizeMpi() {
+    ReleaseMpiObjects();
+    MPI_Finalize();
+  }
+
+  // Stops the progress thread: at exit, or as the application's
+  // MPI_Finalize starts. Returns false if it did not stop within the
+  // budget. Idempotent.
+  bool Shutdown() {
+    std::unique_lock<std::mutex> lock(mu_);
+    if (shut_down_) return true;
+    finalize_requested_ = true;
+    progress_cv_.notify_one();
+    const double budget = timeout_s_ + 5.0;
+    const bool done =
+        cv_.wait_for(lock, std::chrono::duration<double>(budget), [&] { return thread_gone_; });
+    if (!done) return false;
+    shut_down_ = true;
+    const bool release = !owns_mpi_ && !failed_;
+    lock.unlock();
+    thread_.join();
+    if (release) {
+      int finalized = 0;
+      MPI_Finalized(&finalized);
+      if (!finalized) ReleaseMpiObjects();
+    }
+    return true;
   }
 
   static void AtExit() {
     Runtime* rt = Instance();
     if (rt == nullptr) return;
-    std::unique_lock<std::mutex> lock(rt->mu_);
-    rt->finalize_requested_ = true;
-    rt->progress_cv_.notify_one();
-    const double budget = rt->timeout_s_ + 5.0;
-    const bool done = rt->cv_.wait_for(lock, std::chrono::duration<double>(budget),
-                                       [&] { return rt->thread_gone_; });
-    lock.unlock();
-    if (!done) std::_Exit(1);  // finalise hung: end the process rather than hang
-    rt->thread_.join();
+    if (!rt->Shutdown()) std::_Exit(1);  // finalise hung: end the process rather than hang
+  }
+
+  // The delete function of the MPI_COMM_SELF attribute (application-owned
+  // MPI): MPI_Finalize has started.
+  static int OnFinalize(MPI_Comm, int, void*, void*) {
+    Runtime* rt = Instance();
+    if (rt != nullptr) rt->Shutdown();
+    return MPI_SUCCESS;
   }
 
   // Set by Start/the progress thread before init_state_ becomes kReady.
   int rank_ = 0;
   int size_ = 1;
+  int default_threads_ = 1;
   bool owns_mpi_ = false;
-  MPI_Comm comm_ = MPI_COMM_NULL;
+  MPI_Comm comm_ = MPI_COMM_NULL;  // MPI_COMM_WORLD's duplicate: the abort channel
+  MPI_Group world_group_ = MPI_GROUP_NULL;
   MPI_Request abort_recv_ = MPI_REQUEST_NULL;
   std::vector<char> abort_in_, abort_out_;
   std::vector<std::shared_ptr<Op>> graveyard_;  // progress thread only
-  LinkClock in_link_;                           // progress thread only: from rank-1
   Clock::duration poll_interval_{};
   bool progress_in_wait_only_ = false;
   std::thread thread_;
@@ -692,11 +623,8 @@ class Runtime {
   InitState init_state_ = InitState::kPending;
   std::string init_error_;
   double timeout_s_ = 60;
-  std::deque<std::shared_ptr<Op>> queue_;      // posted by compute threads, not yet in MPI
-  std::map<Handle, std::shared_ptr<Op>> ops_;  // shifts not yet waited for
-  Handle next_handle_ = 0;
-  int64_t next_shift_ = 0;
-  int64_t next_collective_ = 0;
+  std::deque<std::shared_ptr<Op>> queue_;            // posted by compute threads, not yet in MPI
+  std::vector<std::shared_ptr<CommState>> to_free_;  // communicators whose owners are gone
   int waiters_ = 0;
   bool failed_ = false;
   bool originated_failure_ = false;
@@ -707,46 +635,167 @@ class Runtime {
   bool quiesced_ = false;
   bool finalize_requested_ = false;
   bool thread_gone_ = false;
+  bool shut_down_ = false;
 };
 
 class MpiComm final : public Communicator {
  public:
-  MpiComm(Runtime* rt, const CommOptions& options, const LinkModel& link)
-      : rt_(rt), options_(options), link_(link) {}
-  int rank() const override { return rt_->rank(); }
-  int size() const override { return rt_->size(); }
+  MpiComm(Runtime* rt, std::shared_ptr<CommState> cs, const CommOptions& options,
+          const LinkModel& link)
+      : rt_(rt), cs_(std::move(cs)), options_(options), link_(link) {}
+  ~MpiComm() override { rt_->Release(std::move(cs_)); }
+  MpiComm(const MpiComm&) = delete;
+  MpiComm& operator=(const MpiComm&) = delete;
+
+  int rank() const override { return cs_->rank; }
+  int size() const override { return cs_->size; }
   const char* backend() const override { return "mpi"; }
+
   Handle StartShift(const void* send, void* recv, size_t bytes) override {
     // Checked before any shared state changes, so a bad call leaves the
     // communicator usable for the Abort that follows the throw.
     Check(send != nullptr || bytes == 0, "StartShift: send is null but bytes = ", bytes);
     Check(recv != nullptr || bytes == 0, "StartShift: recv is null but bytes = ", bytes);
-    return rt_->StartShift(send, recv, bytes, link_);
+    auto op = NewOp(OpKind::kShift, next_shift_++);
+    op->send = send;
+    op->recv = recv;
+    op->bytes = bytes;
+    op->link = link_;
+    rt_->Submit(op);
+    const Handle h = next_handle_++;
+    ops_[h] = std::move(op);
+    return h;
   }
-  void Wait(Handle handle) override { rt_->Wait(handle, options_.timeout_s); }
+
+  void Wait(Handle handle) override {
+    auto it = ops_.find(handle);
+    if (it == ops_.end()) {
+      Fail("Wait: rank ", rt_->rank(), " has no pending shift with handle ", handle, cs_->label,
+           " (never started or already waited for)");
+    }
+    const std::shared_ptr<Op> op = it->second;
+    rt_->Wait(*op, options_.timeout_s);
+    ops_.erase(handle);
+  }
+
+  // Sum over ranks in rank order (identical bits everywhere): an Iallgather
+  // of everyone's values, then a local sum. count == 0 is a barrier.
   void AllReduceSum(float* data, size_t count) override {
     Check(data != nullptr || count == 0, "AllReduceSum: data is null but count = ", count);
-    rt_->AllReduce(data, count, options_.timeout_s);
+    auto op = NewOp(count == 0 ? OpKind::kBarrier : OpKind::kAllReduce, next_collective_++);
+    op->contrib.assign(data, data + count);
+    op->gathered.resize(count * static_cast<size_t>(size()));
+    rt_->Submit(op);
+    rt_->Wait(*op, options_.timeout_s);
+    for (size_t i = 0; i < count; ++i) {
+      float sum = op->gathered[i];
+      for (int r = 1; r < size(); ++r) sum += op->gathered[static_cast<size_t>(r) * count + i];
+      data[i] = sum;
+    }
   }
-  void Barrier() override { rt_->AllReduce(nullptr, 0, options_.timeout_s); }
+
+  void Barrier() override {
+    auto op = NewOp(OpKind::kBarrier, next_collective_++);
+    rt_->Submit(op);
+    rt_->Wait(*op, options_.timeout_s);
+  }
+
   void Abort(const std::string& reason) noexcept override { rt_->Abort(reason); }
 
+  std::unique_ptr<Communicator> Split(int color, int key) override {
+    auto op = NewOp(OpKind::kSplit, next_collective_++);
+    op->split_in[0] = color < 0 ? MPI_UNDEFINED : color;
+    op->split_in[1] = key;
+    op->split_all.resize(2 * static_cast<size_t>(size()));
+    rt_->Submit(op);
+    rt_->Wait(*op, options_.timeout_s);
+    if (op->result == nullptr) return nullptr;
+    return std::make_unique<MpiComm>(rt_, op->result, options_, link_);
+  }
+
+  // Point-to-point messages on the all-to-all tag, receives first; this
+  // rank's own block is copied here.
+  void AllToAll(const void* send, void* recv, size_t bytes_per_rank) override {
+    comm_internal::CheckAllToAllArguments(send, recv, bytes_per_rank, size());
+    const size_t self = bytes_per_rank * static_cast<size_t>(rank());
+    if (bytes_per_rank > 0) {
+      std::memcpy(static_cast<char*>(recv) + self, static_cast<const char*>(send) + self,
+                  bytes_per_rank);
+    }
+    if (size() == 1) return;
+    auto op = NewOp(OpKind::kAllToAll, next_all_to_all_++);
+    op->send = send;
+    op->recv = recv;
+    op->bytes = bytes_per_rank;
+    op->missing = comm_internal::OtherRanks(*cs_);
+    rt_->Submit(op);
+    rt_->Wait(*op, options_.timeout_s);
+  }
+
+  int DefaultThreads() const override { return rt_->default_threads(); }
+
  private:
+  std::shared_ptr<Op> NewOp(OpKind kind, int64_t seq) const {
+    auto op = std::make_shared<Op>();
+    op->kind = kind;
+    op->seq = seq;
+    op->cs = cs_;
+    return op;
+  }
+
   Runtime* rt_;
-  CommOptions options_;
-  LinkModel link_;
+  std::shared_ptr<CommState> cs_;
+  const CommOptions options_;
+  const LinkModel link_;
+  // One thread at a time uses a communicator: no lock.
+  int64_t next_shift_ = 0;
+  int64_t next_collective_ = 0;
+  int64_t next_all_to_all_ = 0;
+  Handle next_handle_ = 0;
+  std::map<Handle, std::shared_ptr<Op>> ops_;  // shifts not yet waited for
 };
+
+// The checks every MakeMpiCommunicator does before MPI is touched, then the
+// runtime (MPI itself on first use) and the duplicate of `source`.
+std::unique_ptr<Communicator> MakeOver(MPI_Comm source, const CommOptions& options) {
+  Check(options.timeout_s > 0, "CommOptions::timeout_s must be > 0, got ", options.timeout_s);
+  // Before MPI is touched: a bad link model is not a final failure.
+  const LinkModel link = comm_internal::ResolveLink(options);
+  Runtime& rt = Runtime::Get(options.timeout_s);
+  std::shared_ptr<CommState> cs = rt.Duplicate(source, options.timeout_s);
+  return std::make_unique<MpiComm>(&rt, std::move(cs), options, link);
+}
 
 }  // namespace
 
 bool MpiAvailable() { return true; }
 
 std::unique_ptr<Communicator> MakeMpiCommunicator(const CommOptions& options) {
-  Check(options.timeout_s > 0, "CommOptions::timeout_s must be > 0, got ", options.timeout_s);
-  // Before MPI is touched: a bad link model is not a final failure.
-  const LinkModel link = comm_internal::ResolveLink(options);
-  Runtime& rt = Runtime::Get(options.timeout_s);
-  return std::make_unique<MpiComm>(&rt, options, link);
+  return MakeOver(MPI_COMM_WORLD, options);
 }
+
+namespace comm_detail {
+
+std::unique_ptr<Communicator> MakeMpiCommunicatorFromHandle(const void* handle, size_t handle_bytes,
+                                                            const CommOptions& options) {
+  Check(handle != nullptr, "MakeMpiCommunicator: no MPI_Comm given");
+  Check(handle_bytes == sizeof(MPI_Comm), "MakeMpiCommunicator: the program's MPI_Comm has ",
+        handle_bytes, " bytes, but ringsplash was built with an MPI whose MPI_Comm has ",
+        sizeof(MPI_Comm), ": build both with the same MPI");
+  MPI_Comm comm;
+  std::memcpy(&comm, handle, sizeof(comm));
+  if (comm == MPI_COMM_NULL) {
+    // Still start the backend: its start is collective over MPI_COMM_WORLD,
+    // and the processes that have a group wait for this one too.
+    Check(options.timeout_s > 0, "CommOptions::timeout_s must be > 0, got ", options.timeout_s);
+    Runtime::Get(options.timeout_s);
+    Fail(
+        "MakeMpiCommunicator: comm is MPI_COMM_NULL (a process MPI_Comm_split left out of "
+        "every group has no communicator to make)");
+  }
+  return MakeOver(comm, options);
+}
+
+}  // namespace comm_detail
 
 }  // namespace ringsplash

@@ -5,6 +5,12 @@
 #include "ringsplash/comm.h"
 #include "ringsplash/error.h"
 
+// comm_mpi.h's entry point, declared here (that header needs <mpi.h>).
+namespace ringsplash::comm_detail {
+std::unique_ptr<Communicator> MakeMpiCommunicatorFromHandle(const void* handle, size_t handle_bytes,
+                                                            const CommOptions& options);
+}  // namespace ringsplash::comm_detail
+
 namespace ringsplash {
 
 bool MpiAvailable() { return false; }
@@ -12,5 +18,15 @@ bool MpiAvailable() { return false; }
 std::unique_ptr<Communicator> MakeMpiCommunicator(const CommOptions& /*options*/) {
   Fail("comm backend 'mpi': this build has no MPI backend; install libopenmpi-dev and rebuild");
 }
+
+namespace comm_detail {
+
+std::unique_ptr<Communicator> MakeMpiCommunicatorFromHandle(const void* /*handle*/,
+                                                            size_t /*handle_bytes*/,
+                                                            const CommOptions& /*options*/) {
+  Fail("comm backend 'mpi': this build has no MPI backend; install libopenmpi-dev and rebuild");
+}
+
+}  // namespace comm_detail
 
 }  // namespace ringsplash

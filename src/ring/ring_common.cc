@@ -3,7 +3,6 @@
 #include <cmath>
 #include <cstring>
 #include <optional>
-#include <thread>
 #include <vector>
 
 #include "ringsplash/error.h"
@@ -159,8 +158,8 @@ RingSetup PrepareRing(Communicator& comm, const AttentionInputs& local, const Ri
       s.sinks[static_cast<size_t>(h)] = LoadAsF32(local.sinks, h * local.sinks.stride[0]);
     }
   }
-  const int hw = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  s.num_threads = opt.num_threads > 0 ? opt.num_threads : std::max(1, hw / n);
+  // Default: the cores this rank may use (comm.h), not cores / ring size.
+  s.num_threads = opt.num_threads > 0 ? opt.num_threads : comm.DefaultThreads();
   s.backward = backward;
   if (options.plan != nullptr) {
     PlanAccess::CheckFits(*options.plan, s, options);

@@ -1,6 +1,8 @@
 // The MPI communicator backend, run under mpirun (every rank runs every test
 // in the same order). Checks ring shifts with several transfers in flight,
-// the all-reduce (identical bits on every rank), the barrier; ASSERTS that the
+// the all-reduce (identical bits on every rank), the barrier, the all-to-all,
+// Split (groups by color ranked by key, shifts and collectives that stay in
+// their group while the parent shifts too); ASSERTS that the
 // progress thread moves transfers while the rank is busy, with an emulated
 // link whose delay dwarfs the noise (and, under RINGSPLASH_MPI_PROGRESS=wait,
 // that the same check then fails); and MEASURES how much of a real transfer
@@ -87,6 +89,90 @@ TEST(MpiCommTest, AllReduceSumIsIdenticalEverywhere) {
 }
 
 TEST(MpiCommTest, WaitOnUnknownHandleIsAnError) { EXPECT_THROW(Comm().Wait(123456789), Error); }
+
+// Rank r's block q is (r, q); after the exchange rank r's block q is (q, r).
+// Odd sizes, 1 MB blocks (rendezvous: a send needs its receiver), zero bytes.
+TEST(MpiCommTest, AllToAllDeliversEveryBlockToItsRank) {
+  Communicator& comm = Comm();
+  const int n = comm.size(), r = comm.rank();
+  for (int len : {1, 37, 1001, 262144}) {
+    std::vector<int32_t> send(static_cast<size_t>(n) * len), recv(send.size(), -1);
+    for (int q = 0; q < n; ++q)
+      for (int i = 0; i < len; ++i) send[static_cast<size_t>(q) * len + i] = Payload(r, q, i + len);
+    comm.AllToAll(send.data(), recv.data(), len * sizeof(int32_t));
+    for (int q = 0; q < n; ++q)
+      for (int i = 0; i < len; ++i)
+        ASSERT_EQ(recv[static_cast<size_t>(q) * len + i], Payload(q, r, i + len)) << "len " << len;
+  }
+  comm.AllToAll(nullptr, nullptr, 0);
+  std::vector<char> b(64);
+  EXPECT_THROW(comm.AllToAll(b.data(), b.data(), 1), Error);  // overlapping: checked locally
+}
+
+// color = rank % 2, keys reversed: group g holds the ranks of parity g, the
+// highest first. Shifts in the group (several hops, each with its origin's
+// payload) run while the parent ring shifts too; all-reduce, barrier and
+// all-to-all stay in the group; color kNoGroup gets no communicator.
+TEST(MpiCommTest, SplitGroupsKeepTheirMessages) {
+  Communicator& comm = Comm();
+  const int n = comm.size(), r = comm.rank();
+  std::unique_ptr<Communicator> group = comm.Split(r % 2, -r);
+  ASSERT_NE(group, nullptr);
+  std::vector<int> members;  // job ranks of the group, in group order
+  for (int q = n - 1; q >= 0; --q) {
+    if (q % 2 == r % 2) members.push_back(q);
+  }
+  const int g = static_cast<int>(members.size());
+  ASSERT_EQ(group->size(), g);
+  ASSERT_EQ(members[group->rank()], r);
+  EXPECT_EQ(group->DefaultThreads(), comm.DefaultThreads());
+  EXPECT_GE(comm.DefaultThreads(), 1);
+
+  constexpr int kLen = 100003;  // ~400 KB: rendezvous path
+  std::vector<int32_t> g_cur(kLen), g_nxt(kLen), p_cur(kLen), p_nxt(kLen);
+  for (int i = 0; i < kLen; ++i) {
+    g_cur[i] = Payload(r, 1, i);
+    p_cur[i] = Payload(r, 2, i);
+  }
+  for (int hop = 1; hop <= 3; ++hop) {
+    const Communicator::Handle hp =
+        comm.StartShift(p_cur.data(), p_nxt.data(), kLen * sizeof(int32_t));
+    const Communicator::Handle hg =
+        group->StartShift(g_cur.data(), g_nxt.data(), kLen * sizeof(int32_t));
+    group->Wait(hg);
+    comm.Wait(hp);
+    std::swap(g_cur, g_nxt);
+    std::swap(p_cur, p_nxt);
+    const int g_origin = members[((group->rank() - hop) % g + g) % g];
+    const int p_origin = ((r - hop) % n + n) % n;
+    for (int i = 0; i < kLen; ++i) {
+      ASSERT_EQ(g_cur[i], Payload(g_origin, 1, i)) << "group, hop " << hop;
+      ASSERT_EQ(p_cur[i], Payload(p_origin, 2, i)) << "parent, hop " << hop;
+    }
+  }
+  float sum = static_cast<float>(r);
+  group->AllReduceSum(&sum, 1);
+  float expect = 0;
+  for (int q : members) expect += static_cast<float>(q);
+  EXPECT_EQ(sum, expect);
+  group->Barrier();
+  std::vector<int32_t> send(static_cast<size_t>(g) * 5), recv(send.size(), -1);
+  for (int q = 0; q < g; ++q)
+    for (int i = 0; i < 5; ++i) send[static_cast<size_t>(q) * 5 + i] = Payload(r, q, i);
+  group->AllToAll(send.data(), recv.data(), 5 * sizeof(int32_t));
+  for (int q = 0; q < g; ++q)
+    for (int i = 0; i < 5; ++i)
+      EXPECT_EQ(recv[static_cast<size_t>(q) * 5 + i], Payload(members[q], group->rank(), i));
+
+  std::unique_ptr<Communicator> none = comm.Split(r == 0 ? Communicator::kNoGroup : 0, r);
+  EXPECT_EQ(none == nullptr, r == 0);
+  if (none != nullptr) {
+    EXPECT_EQ(none->size(), n - 1);
+    EXPECT_EQ(none->rank(), r - 1);
+    none->Barrier();
+  }
+  comm.Barrier();
+}
 
 // How much of a transfer hides behind compute that makes no MPI call (like a
 // kernel). Two kinds of "compute", each lasting 1.5x the measured transfer:

@@ -2,6 +2,10 @@
 // (argv[1]):
 //   abort R       rank R calls Abort("deliberate failure") mid-ring and throws
 //   silent R      rank R stops communicating (sleeps 120 s); timeout_s = 1
+//   split-abort R, split-silent R
+//                 the same within groups: the ranks split by color = rank % 2
+//                 and shift in their group; then every rank joins a barrier
+//                 of the whole job (so no rank finishes as if nothing failed)
 //   ring R S      the ring forward with fault injection at rank R, step S
 //   ring-bwd R S  the same in the backward
 //   env           the ring forward+backward; the fault comes from RINGSPLASH_FAULT
@@ -36,10 +40,11 @@ long long NowNs() {
 }
 
 // Shifts of 4 MB (above every eager limit, so a send needs its receiver).
-void ShiftRounds(Communicator& comm, int rounds, int failing_rank, bool abort) {
+// This rank fails at the second round if `fails`.
+void ShiftRounds(Communicator& comm, int rounds, bool fails, bool abort) {
   std::vector<char> a(4 << 20, 1), b(4 << 20);
   for (int i = 0; i < rounds; ++i) {
-    if (comm.rank() == failing_rank && i == 1) {
+    if (fails && i == 1) {
       if (abort) {
         comm.Abort("deliberate failure");
         throw Error("deliberate failure");
@@ -73,13 +78,17 @@ int main(int argc, char** argv) {
   const int a = argc > 2 ? std::atoi(argv[2]) : 0;
   const int b = argc > 3 ? std::atoi(argv[3]) : 0;
   ringsplash::CommOptions options;
-  options.timeout_s = mode == "silent" ? 1.0 : 60.0;
+  options.timeout_s = mode == "silent" || mode == "split-silent" ? 1.0 : 60.0;
   int rank = -1;
   try {
     std::unique_ptr<Communicator> comm = ringsplash::MakeMpiCommunicator(options);
     rank = comm->rank();
     if (mode == "abort" || mode == "silent") {
-      ShiftRounds(*comm, 3, a, mode == "abort");
+      ShiftRounds(*comm, 3, rank == a, mode == "abort");
+    } else if (mode == "split-abort" || mode == "split-silent") {
+      std::unique_ptr<Communicator> group = comm->Split(rank % 2, rank);
+      ShiftRounds(*group, 3, rank == a, mode == "split-abort");
+      comm->Barrier();
     } else if (mode == "ring" || mode == "ring-bwd") {
       ringsplash::FaultSpec f;
       f.rank = a;
@@ -89,7 +98,9 @@ int main(int argc, char** argv) {
     } else if (mode == "env") {
       RunRing(*comm, std::nullopt);
     } else {
-      std::fprintf(stderr, "usage: %s abort|silent R | ring|ring-bwd R S | env\n", argv[0]);
+      std::fprintf(stderr,
+                   "usage: %s abort|silent|split-abort|split-silent R | ring|ring-bwd R S | env\n",
+                   argv[0]);
       return 2;
     }
   } catch (const std::exception& e) {

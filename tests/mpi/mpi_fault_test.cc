@@ -105,6 +105,13 @@ TEST(MpiFaultTest, AbortIsReportedByEveryRank) {
   }
 }
 
+// Abort on a group's communicator: every rank of every group (and of the
+// whole job) reports the aborting rank — one job, one failure.
+TEST(MpiFaultTest, AbortInOneGroupIsReportedByEveryRank) {
+  const Job job = RunJob(4, "split-abort 3");
+  ExpectAllRanksReport(job, 4, 3, "deliberate failure", "Abort() in group {1, 3}");
+}
+
 TEST(MpiFaultTest, RingForwardFaultInjection) {
   ExpectAllRanksReport(RunJob(2, "ring 1 0"), 2, 1, "injected fault at rank 1 step 0",
                        "ring forward step 0");
@@ -144,6 +151,19 @@ TEST(MpiFaultTest, SilentPeerTimesOut) {
     std::printf("[ mpi fault ] np=%d silent rank: job failed after %.2f s (timeout 1 s)\n", np,
                 job.seconds);
   }
+}
+
+// The same within a group: the timeout names world ranks and the group.
+TEST(MpiFaultTest, SilentPeerInAGroupTimesOut) {
+  const Job job = RunJob(4, "split-silent 1", "", OnRankFailure::kAbortJob);
+  SCOPED_TRACE(job.output);
+  EXPECT_NE(job.exit_code, 0);
+  EXPECT_NE(job.exit_code, 124) << "hung until `timeout` killed it";
+  EXPECT_NE(job.output.find("timed out after 1 s waiting for rank 1 in shift #1 of group {1, 3}"),
+            std::string::npos);
+  EXPECT_EQ(job.errors.count(1), 0u) << "the silent rank reports nothing";
+  EXPECT_GE(job.errors.size(), 1u);
+  EXPECT_LT(job.seconds, 60.0);
 }
 
 }  // namespace
