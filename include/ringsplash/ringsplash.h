@@ -4,6 +4,7 @@
 
 #include "ringsplash/attention.h"
 #include "ringsplash/comm.h"
+#include "ringsplash/context_parallel.h"
 #include "ringsplash/error.h"
 #include "ringsplash/mask.h"
 #include "ringsplash/ring.h"
