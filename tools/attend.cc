@@ -185,7 +185,6 @@ void RunAttendMpiRank(Communicator& comm, const AttendArgs& args, const AttendPl
   progress.Phase("reading inputs");
   AttendFiles files = OpenInputs(args, plan);
   CheckDivisible(files, plan.layout, n);
-  const Mask mask = BuildMask(files, plan);
   const Dims& d = files.dims;
 
   // Every rank must name the same temporaries: use rank 0's process id.
@@ -208,10 +207,11 @@ void RunAttendMpiRank(Communicator& comm, const AttendArgs& args, const AttendPl
   const std::vector<int64_t> kv_pos =
       LayoutPositions(plan.layout, d.skv, rank, n, "kv sequence length");
   Loaded l = LoadInputs(files, plan, q_pos, kv_pos);
+  const Mask mask = BuildMaskRows(files, plan, q_pos);
   RingOptions ro;
   ro.attention = MakeAttentionOptions(args, mask);
   if (ro.attention.num_threads == 0) {
-    ro.attention.num_threads = DefaultThreadsPerRank(LocalRanks(n));
+    ro.attention.num_threads = DefaultThreadsPerRank(comm);
   }
   ro.layout = plan.layout;
   Results& r = l.results;

@@ -276,6 +276,33 @@ Mask BuildMask(const AttendFiles& files, const AttendPlan& plan) {
   return plan.text_mask & Mask::Dense(std::move(values), heads, files.dims.sq, files.dims.skv);
 }
 
+Mask BuildMaskRows(const AttendFiles& files, const AttendPlan& plan,
+                   const std::vector<int64_t>& q_rows) {
+  const npy::NpyArray& m = files.dense_mask;
+  if (m.path().empty()) return plan.text_mask;
+  // Only this rank's rows of the (memory-mapped) file are read and kept:
+  // Sq/N x Skv bytes per head instead of the whole Sq x Skv.
+  const int64_t heads = m.ndim() == 3 ? m.shape()[0] : 0;
+  const int64_t sq = files.dims.sq, skv = files.dims.skv;
+  const size_t item = npy::ItemSize(m.type());
+  std::vector<uint8_t> values(static_cast<size_t>(std::max<int64_t>(heads, 1)) * q_rows.size() *
+                              static_cast<size_t>(skv));
+  uint8_t* out = values.data();
+  for (int64_t h = 0; h < std::max<int64_t>(heads, 1); ++h) {
+    for (const int64_t row : q_rows) {
+      const auto* src =
+          reinterpret_cast<const uint8_t*>(m.data()) + static_cast<size_t>((h * sq + row) * skv) * item;
+      for (int64_t j = 0; j < skv; ++j, ++out) {
+        // Non-zero = allowed, whatever the integer width.
+        bool any = false;
+        for (size_t b = 0; b < item; ++b) any |= src[static_cast<size_t>(j) * item + b] != 0;
+        *out = any ? 1 : 0;
+      }
+    }
+  }
+  return plan.text_mask & Mask::DenseRows(std::move(values), heads, q_rows, skv);
+}
+
 std::vector<OutputSpec> PlanOutputs(const AttendArgs& args, const Dims& d) {
   std::vector<OutputSpec> outs;
   auto add = [&](OutputKind kind, const std::string& path, std::vector<int64_t> shape, RowsOf rows,

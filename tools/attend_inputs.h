@@ -48,6 +48,10 @@ void CheckDivisible(const AttendFiles& files, Layout layout, int ranks);
 
 // The full mask: --mask AND the dense mask file, if any.
 Mask BuildMask(const AttendFiles& files, const AttendPlan& plan);
+// The same for one ring rank: only the rows of its query positions `q_rows`
+// (Mask::DenseRows), so no rank holds the whole Sq x Skv mask.
+Mask BuildMaskRows(const AttendFiles& files, const AttendPlan& plan,
+                   const std::vector<int64_t>& q_rows);
 
 // What a run can write. Each output is a [batch, seq, inner] array whose
 // rows (dim 1) are the query or the key/value positions — the rows a rank

@@ -342,6 +342,23 @@ std::vector<AttendCase> RingCases(bool mpi) {
     c.dense = AttendCase::Dense::kBool2d;
     c.mask = "causal";
     cases.push_back(c);
+    // Each MPI rank reads only its own rows of the mask file (DenseRows):
+    // strided and zigzag rows, an 8-byte and a per-head mask, backward too.
+    c = Case("mpi2_dense_i64_striped_backward");
+    c.ranks = 2;
+    c.mpi = true;
+    c.layout = "striped";
+    c.dense = AttendCase::Dense::kI64;
+    c.backward = true;
+    cases.push_back(c);
+    c = Case("mpi2_dense_per_head_zigzag_backward");
+    c.ranks = 2;
+    c.mpi = true;
+    c.layout = "zigzag";
+    c.dense = AttendCase::Dense::kU8PerHead;
+    c.mask = "causal";
+    c.backward = true;
+    cases.push_back(c);
   }
   return cases;
 }
