@@ -10,6 +10,7 @@
 
 #include "ringsplash/attention.h"
 #include "ringsplash/comm.h"
+#include "ringsplash/context_parallel.h"
 #include "ringsplash/error.h"
 #include "ringsplash/ring.h"
 #include "tools/attend_inputs.h"
@@ -24,6 +25,15 @@ namespace {
 
 // The prefix of its messages, progress line and signal line.
 constexpr char kCommand[] = "ringsplash attend";
+
+// --ulysses must divide the ring size (the heads' rules are the library's
+// Errors: docs/CONTEXT_PARALLEL.md).
+void CheckUlysses(const AttendArgs& args, int ranks) {
+  if (ranks % args.ulysses != 0) {
+    Usage("--ulysses ", args.ulysses, " must divide the ", ranks,
+          " ranks (groups of U ranks, a ring of ranks/U groups)");
+  }
+}
 
 // Results of one run, global (threads) or this rank's shard (MPI); all f32,
 // indexed by OutputKind.
@@ -124,6 +134,7 @@ void RunAttendThreads(const AttendArgs& args, const AttendPlan& plan) {
   Progress progress(kCommand, true);
   progress.Phase("reading inputs");
   const int ranks = args.ranks.value_or(1);
+  CheckUlysses(args, ranks);
   CheckEnvironment(ranks, plan.backward);
   AttendFiles files = OpenInputs(args, plan);
   CheckDivisible(files, plan.layout, ranks);
@@ -149,6 +160,16 @@ void RunAttendThreads(const AttendArgs& args, const AttendPlan& plan) {
       AttentionBackward(l.inputs, opt, r.out.view(), r.lse.view(), l.dout.view(), r.dq.view(),
                         r.dk.view(), r.dv.view(), ViewOrEmpty(r.dsinks));
     }
+  } else if (args.ulysses > 1) {
+    ContextParallelRun run;
+    run.num_ranks = ranks;
+    run.options.ulysses = args.ulysses;
+    run.options.ring.attention = opt;
+    run.options.ring.layout = plan.layout;
+    run.comm.timeout_s = args.comm_timeout;
+    ContextParallelThreads(run, l.inputs, r.out.view(), r.lse.view(), ViewOrEmpty(l.dout),
+                           ViewOrEmpty(r.dq), ViewOrEmpty(r.dk), ViewOrEmpty(r.dv),
+                           ViewOrEmpty(r.dsinks));
   } else {
     RingRun run;
     run.num_ranks = ranks;
@@ -180,6 +201,7 @@ void RunAttendMpiRank(Communicator& comm, const AttendArgs& args, const AttendPl
     Usage("--ranks ", *args.ranks, " does not match the ", n, " MPI processes (mpirun -np ", n,
           ")");
   }
+  CheckUlysses(args, n);
   CheckEnvironment(n, plan.backward);
   Progress progress(kCommand, rank == 0);
   progress.Phase("reading inputs");
@@ -216,10 +238,16 @@ void RunAttendMpiRank(Communicator& comm, const AttendArgs& args, const AttendPl
   ro.layout = plan.layout;
   Results& r = l.results;
   progress.Phase(plan.backward ? "forward + backward" : "forward");
-  RingAttentionForward(comm, l.inputs, ro, r.out.view(), r.lse.view());
+  // Each rank's rows are the 1-D ring's whatever --ulysses: U = 1 runs the
+  // ring itself.
+  ContextParallelOptions cpo;
+  cpo.ring = ro;
+  cpo.ulysses = args.ulysses;
+  ContextParallelGroups groups(comm, cpo.ulysses, cpo.ring.layout);
+  ContextParallelForward(groups, l.inputs, cpo, r.out.view(), r.lse.view());
   if (plan.backward) {
-    RingAttentionBackward(comm, l.inputs, ro, r.out.view(), r.lse.view(), l.dout.view(),
-                          r.dq.view(), r.dk.view(), r.dv.view(), ViewOrEmpty(r.dsinks));
+    ContextParallelBackward(groups, l.inputs, cpo, r.out.view(), r.lse.view(), l.dout.view(),
+                            r.dq.view(), r.dk.view(), r.dv.view(), ViewOrEmpty(r.dsinks));
   }
 
   progress.Phase("writing outputs");
@@ -312,6 +340,12 @@ CLI::App* AddAttendCommand(CLI::App& app, AttendArgs& a) {
       ->type_name("N");
   cmd->add_option("--layout", a.layout, "sequence layout over ranks: contiguous|zigzag|striped")
       ->type_name("NAME")
+      ->capture_default_str();
+  cmd->add_option("--ulysses", a.ulysses,
+                  "2-D context parallelism: ranks per Ulysses group U, dividing the ranks and H "
+                  "(Hkv a multiple or divisor of U); the ring runs over ranks/U groups. 1: the "
+                  "ring alone (docs/CONTEXT_PARALLEL.md)")
+      ->type_name("U")
       ->capture_default_str();
   cmd->add_option("--backend", a.backend, "threads (one process) | mpi (under mpirun)")
       ->type_name("NAME")

@@ -21,10 +21,11 @@ struct AttendArgs {
   std::string sinks, q_segments, kv_segments;
   std::string dout, dq, dk, dv, dsinks;
   std::optional<int> ranks;  // absent: 1 for threads, the MPI world size for mpi
+  int ulysses = 1;           // U: ranks per Ulysses group (2-D context parallelism)
   std::string layout = "zigzag";
   std::string backend = "threads";
   std::string dtype = "f32";
-  int threads_per_rank = 0;  // 0: cores / ranks
+  int threads_per_rank = 0;  // 0: the cores each rank may use
   double comm_timeout = 60.0;
 };
 

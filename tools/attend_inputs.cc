@@ -95,6 +95,9 @@ AttendPlan CheckArgs(const AttendArgs& args) {
   if (args.ranks && (*args.ranks < 1 || *args.ranks > 4096)) {
     Usage("--ranks: expected 1 to 4096, got ", *args.ranks);
   }
+  if (args.ulysses < 1 || args.ulysses > 4096) {
+    Usage("--ulysses: expected 1 to 4096, got ", args.ulysses);
+  }
   CheckThreadsPerRank(args.threads_per_rank);
   if (!(std::isfinite(args.comm_timeout) && args.comm_timeout > 0)) {
     Usage("--comm-timeout: expected a number of seconds > 0, got ", args.comm_timeout);
@@ -290,8 +293,8 @@ Mask BuildMaskRows(const AttendFiles& files, const AttendPlan& plan,
   uint8_t* out = values.data();
   for (int64_t h = 0; h < std::max<int64_t>(heads, 1); ++h) {
     for (const int64_t row : q_rows) {
-      const auto* src =
-          reinterpret_cast<const uint8_t*>(m.data()) + static_cast<size_t>((h * sq + row) * skv) * item;
+      const auto* src = reinterpret_cast<const uint8_t*>(m.data()) +
+                        static_cast<size_t>((h * sq + row) * skv) * item;
       for (int64_t j = 0; j < skv; ++j, ++out) {
         // Non-zero = allowed, whatever the integer width.
         bool any = false;

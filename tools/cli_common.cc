@@ -34,8 +34,8 @@ std::vector<double> AllGather(Communicator& comm, double value) {
 
 void CheckThreadsPerRank(int threads_per_rank) {
   if (threads_per_rank < 0 || threads_per_rank > kMaxThreads) {
-    Usage("--threads-per-rank: expected 1 to ", kMaxThreads, " (or 0 for cores / ranks), got ",
-          threads_per_rank);
+    Usage("--threads-per-rank: expected 1 to ", kMaxThreads,
+          " (or 0 for the cores each rank may use), got ", threads_per_rank);
   }
 }
 

@@ -41,11 +41,11 @@ template <typename... Args>
 // ringsplash/attention.h) itself first, so that the error names the flag or
 // the file rather than the library's argument.
 
-// --threads-per-rank: 1..kMaxThreads, or 0 for the default (cores / ranks);
+// --threads-per-rank: 1..kMaxThreads, or 0 for the default (the cores each rank may use);
 // a usage error otherwise. kThreadsPerRankHelp: its --help line.
 void CheckThreadsPerRank(int threads_per_rank);
 inline constexpr const char* kThreadsPerRankHelp =
-    "kernel threads per rank, 1 to 1024 (default, or 0: cores / ranks)";
+    "kernel threads per rank, 1 to 1024 (default, or 0: the cores each rank may use)";
 
 // Checks the environment variables the library reads, before any rank
 // starts, so that a bad value is one usage error naming the variable rather

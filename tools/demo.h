@@ -19,7 +19,7 @@ struct DemoArgs {
   std::string layout = "zigzag";
   std::string mask = "causal";
   std::string dtype = "f32";
-  int threads_per_rank = 0;  // 0: cores / ranks
+  int threads_per_rank = 0;  // 0: the cores each rank may use
   bool json = false;
 };
 

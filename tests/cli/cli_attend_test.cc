@@ -335,6 +335,20 @@ std::vector<AttendCase> RingCases(bool mpi) {
       cases.push_back(c);
     }
   }
+  {
+    // 2-D context parallelism: U = 2 Ulysses groups around the ring
+    // (threads: 4 ranks, a ring of 2 groups; MPI: 2 ranks, pure Ulysses).
+    AttendCase c = Case(mpi ? "mpi2_ulysses2_striped" : "threads4_ulysses2_zigzag");
+    c.ranks = mpi ? 2 : 4;
+    c.layout = mpi ? "striped" : "zigzag";
+    c.mpi = mpi;
+    c.mask = "causal & local:20,";
+    c.backward = true;
+    c.spec.sinks = true;
+    c.spec.segments = true;
+    c.extra = {"--threads-per-rank", "1", "--ulysses", "2"};
+    cases.push_back(c);
+  }
   if (mpi) {
     AttendCase c = Case("mpi2_dense_gqa_forward_only");
     c.ranks = 2;
