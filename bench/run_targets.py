@@ -3,7 +3,8 @@
 
 Every case is one or two `ringsplash bench` runs (median of --iters timed
 iterations after --warmup, fraction_of_peak against the peak the same process
-measures), the memory case under `/usr/bin/time -v`, the MPI case under
+measures, fraction_of_bandwidth of decoding steps against the read bandwidth
+it measures), the memory case under `/usr/bin/time -v`, the MPI case under
 `mpirun`. Writes one JSON object per case to docs/perf/targets.jsonl:
 
   {"case", "date", "cpu", "load_avg" (1-minute load before the case),
@@ -291,6 +292,35 @@ def case_decode_mha(r):
                 value=value, values=values, target="informational", passed=True, runs=runs)
 
 
+def bandwidth_case(r, name, dtype):
+    """One decoding token, GQA H=32 over Hkv=8 (4 query rows per kv head),
+    D=128, Skv=32768 (128 MiB of bf16 K/V, 256 MiB of f32), 1 rank x 2
+    threads: the K/V read rate over the read bandwidth the same process
+    measures (fraction_of_bandwidth, docs/CLI.md). As fraction_case: a run
+    whose bandwidth measurement was unreliable (null: the step read faster
+    than the probe) gives no value, and a case left with none fails."""
+    values, runs = [], []
+    for _ in range(r.repeats):
+        rs, _ = r.bench("--q-seq", "1", "--seq", "32768", "--heads", "32", "--kv-heads", "8",
+                        "--head-dim", "128", "--dtype", dtype, "--ranks", "1",
+                        "--threads-per-rank", "2", iters=21)
+        runs += rs
+        if rs[0]["fraction_of_bandwidth"] is not None:
+            values.append(rs[0]["fraction_of_bandwidth"])
+    value = statistics.median(values) if values else None
+    return dict(case=name, metric="fraction_of_bandwidth (median of repeats)", value=value,
+                values=values, target=">= 0.8", passed=value is not None and value >= 0.8,
+                runs=runs)
+
+
+def case_decode_bw_bf16(r):
+    return bandwidth_case(r, "decode_gqa8_bf16_bw", "bf16")
+
+
+def case_decode_bw_f32(r):
+    return bandwidth_case(r, "decode_gqa8_f32_bw", "f32")
+
+
 CASES = {
     "fwd_f32": case_fwd_f32,
     "fwd_bf16": case_fwd_bf16,
@@ -306,6 +336,8 @@ CASES = {
     "memory": case_memory,
     "decode": case_decode,
     "decode_mha": case_decode_mha,
+    "decode_bw_bf16": case_decode_bw_bf16,
+    "decode_bw_f32": case_decode_bw_f32,
 }
 
 

@@ -24,6 +24,9 @@ CASES = {
     "memory_ring4_s262144": "memory, causal zigzag ring of 4, S=262144 H=1 D=64, fwd",
     "decode_gqa_s32768": "decoding step, 1 token, Skv=32768 H=32 Hkv=4 D=128 f32 (not a target)",
     "decode_mha_s32768": "decoding step, same with MHA (H=Hkv=32) (not a target)",
+    "decode_gqa8_bf16_bw": "decoding step, 1 token, Skv=32768 H=32 Hkv=8 D=128 bf16: "
+                           "K/V read rate / measured read bandwidth",
+    "decode_gqa8_f32_bw": "decoding step, same, f32",
 }
 
 
@@ -66,6 +69,16 @@ def detail(r):
         return (f"{runs[0]['gflops']:.0f} vs {runs[1]['gflops']:.0f} GFLOP/s; imbalance "
                 f"{r['imbalance']:.3f}; max comm wait {100 * r['comm_wait_fraction']:.1f} % of an "
                 "iteration")
+    if case.endswith("_bw"):
+        # The median run's own figures, as for the peak rows.
+        measured = [run for run in runs if run.get("fraction_of_bandwidth") is not None]
+        if not measured or r["value"] is None:
+            return f"{spread}; every run's bandwidth measurement was unreliable"
+        med = min(measured, key=lambda run: abs(run["fraction_of_bandwidth"] - r["value"]))
+        return (f"{spread}; {med['kv_gb_per_s']:.1f} of {med['read_gb_per_s']:.1f} GB/s "
+                f"(median run; {med['bandwidth_method']}, {med['bandwidth_threads']} threads), "
+                f"{med['seconds'] * 1e3:.1f} ms per step, {med['kv_bytes'] / 2**20:.0f} MiB of "
+                f"K and V; path {med.get('kernel_path', '?')}")
     if case.startswith("decode"):
         ms = sorted(run["seconds"] * 1e3 for run in runs)
         mib = runs[0].get("kv_bytes", 128 * 2**20) / 2**20

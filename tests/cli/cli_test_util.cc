@@ -96,6 +96,27 @@ CommandResult RunCliUnderMpi(int ranks, const std::vector<std::string>& args, in
 }
 #endif
 
+#if defined(__linux__)
+OneCpu::OneCpu() {
+  CPU_ZERO(&saved_);
+  ok_ = sched_getaffinity(0, sizeof(saved_), &saved_) == 0;
+  if (!ok_) return;
+  cpu_set_t one;
+  CPU_ZERO(&one);
+  for (int c = 0; c < CPU_SETSIZE; ++c) {
+    if (CPU_ISSET(c, &saved_)) {
+      CPU_SET(c, &one);
+      break;
+    }
+  }
+  ok_ = sched_setaffinity(0, sizeof(one), &one) == 0;
+}
+
+OneCpu::~OneCpu() {
+  if (ok_) sched_setaffinity(0, sizeof(saved_), &saved_);
+}
+#endif
+
 int CountLines(const std::string& text) {
   if (text.empty()) return 0;
   const int n = static_cast<int>(std::count(text.begin(), text.end(), '\n'));

@@ -8,6 +8,10 @@
 #include <string>
 #include <vector>
 
+#if defined(__linux__)
+#include <sched.h>
+#endif
+
 namespace ringsplash::testing {
 
 // A fresh directory under $TMPDIR (or /tmp), removed with its contents.
@@ -45,6 +49,24 @@ CommandResult RunCli(const std::vector<std::string>& args, int timeout_s = 120);
 // (NAME=VALUE) set for it.
 CommandResult RunCliUnderMpi(int ranks, const std::vector<std::string>& args, int timeout_s,
                              const std::vector<std::string>& env = {});
+#endif
+
+#if defined(__linux__)
+// While alive, the calling thread (and every thread or process it starts)
+// may run on one CPU only: the first of its current mask. The probes of
+// `bench` (peak, read bandwidth) run no more threads than that.
+class OneCpu {
+ public:
+  OneCpu();
+  ~OneCpu();
+  OneCpu(const OneCpu&) = delete;
+  OneCpu& operator=(const OneCpu&) = delete;
+  bool ok() const { return ok_; }
+
+ private:
+  cpu_set_t saved_;
+  bool ok_ = false;
+};
 #endif
 
 // Number of '\n'-terminated lines in `text` (a final unterminated line counts).

@@ -10,14 +10,14 @@
 #include <string>
 #include <vector>
 
-#if defined(__linux__)
-#include <sched.h>
-#endif
-
 #include "tests/cli/cli_test_util.h"
 
 namespace ringsplash::cli {
 namespace {
+
+#if defined(__linux__)
+using testing::OneCpu;
+#endif
 
 Peak MakePeak(double gflops, double tile_gflops = 0) {
   Peak p;
@@ -27,38 +27,6 @@ Peak MakePeak(double gflops, double tile_gflops = 0) {
   p.threads = 2;
   return p;
 }
-
-#if defined(__linux__)
-// While alive, the calling thread (and every thread or process it starts)
-// may run on one CPU only: the first of its current mask.
-class OneCpu {
- public:
-  OneCpu() {
-    CPU_ZERO(&saved_);
-    ok_ = sched_getaffinity(0, sizeof(saved_), &saved_) == 0;
-    if (!ok_) return;
-    cpu_set_t one;
-    CPU_ZERO(&one);
-    for (int c = 0; c < CPU_SETSIZE; ++c) {
-      if (CPU_ISSET(c, &saved_)) {
-        CPU_SET(c, &one);
-        break;
-      }
-    }
-    ok_ = sched_setaffinity(0, sizeof(one), &one) == 0;
-  }
-  ~OneCpu() {
-    if (ok_) sched_setaffinity(0, sizeof(saved_), &saved_);
-  }
-  OneCpu(const OneCpu&) = delete;
-  OneCpu& operator=(const OneCpu&) = delete;
-  bool ok() const { return ok_; }
-
- private:
-  cpu_set_t saved_;
-  bool ok_ = false;
-};
-#endif
 
 TEST(PeakTest, RunsAtMostOneThreadPerUsableCore) {
   const int cores = UsableCores();
