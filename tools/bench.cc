@@ -45,7 +45,7 @@ std::string PhaseName(const std::vector<int64_t>& seqs, size_t i) {
 
 }  // namespace
 
-BenchConfig ResolveConfig(const BenchArgs& a, int64_t seq, int world) {
+BenchConfig ResolveConfig(const BenchArgs& a, int64_t seq, int world, int mpi_threads) {
   BenchConfig c;
   c.batch = a.batch;
   c.seq = seq;
@@ -103,6 +103,18 @@ BenchConfig ResolveConfig(const BenchArgs& a, int64_t seq, int world) {
           ")");
   }
   c.ranks = c.mpi ? world : a.ranks.value_or(1);
+  if (a.ulysses < 1 || c.ranks % a.ulysses != 0) {
+    Usage("--ulysses: expected a divisor of the ", c.ranks, " ranks, got ", a.ulysses);
+  }
+  if (c.heads % a.ulysses != 0) {
+    Usage("--ulysses: ", a.ulysses, " must divide --heads ", c.heads,
+          " (each rank of a group computes H/U heads)");
+  }
+  if (c.kv_heads % a.ulysses != 0 && a.ulysses % c.kv_heads != 0) {
+    Usage("--ulysses: ", a.ulysses, " must be a divisor or a multiple of --kv-heads ", c.kv_heads,
+          " (kv heads are split over a group, or replicated when fewer than U)");
+  }
+  c.ulysses = a.ulysses;
   if (c.ranks > 1) {
     const int64_t div = c.layout == Layout::kZigzag ? 2 * int64_t{c.ranks} : c.ranks;
     for (const auto& [len, flag] : {std::pair{c.seq, "--seq"}, std::pair{c.q_seq, "--q-seq"}}) {
@@ -116,7 +128,7 @@ BenchConfig ResolveConfig(const BenchArgs& a, int64_t seq, int world) {
   CheckThreadsPerRank(a.threads_per_rank);
   c.threads_per_rank = a.threads_per_rank != 0
                            ? a.threads_per_rank
-                           : DefaultThreadsPerRank(c.mpi ? LocalRanks(c.ranks) : c.ranks);
+                           : (c.mpi ? mpi_threads : DefaultThreadsPerRank(c.ranks));
   if (a.warmup < 0) Usage("--warmup: expected >= 0, got ", a.warmup);
   if (a.iters < 1) Usage("--iters: expected >= 1, got ", a.iters);
   c.warmup = a.warmup;
@@ -144,6 +156,7 @@ BenchConfig ResolveConfig(const BenchArgs& a, int64_t seq, int world) {
 
 nlohmann::json ToJson(const BenchResult& r) {
   const BenchConfig& c = r.config;
+  const bool measured = r.bandwidth_measurements > 0;
   nlohmann::json config = {
       {"batch", c.batch},
       {"seq", c.seq},
@@ -155,6 +168,7 @@ nlohmann::json ToJson(const BenchResult& r) {
       {"mask", c.mask},
       {"layout", LayoutName(c.layout)},
       {"ranks", c.ranks},
+      {"ulysses", c.ulysses},
       {"backend", c.mpi ? "mpi" : "threads"},
       {"dtype", DTypeName(c.dtype)},
       {"pass", PassName(c.pass)},
@@ -188,15 +202,29 @@ nlohmann::json ToJson(const BenchResult& r) {
       {"amx_peak_gflops", r.amx_peak_gflops},
       {"fraction_of_amx_peak", OptionalNumber(r.fraction_of_amx_peak)},
       {"peak_unreliable", !r.peak_unreliable_reason.empty()},
+      // Decoding-shaped calls only (docs/CLI.md), else null: the probe did
+      // not run. The fraction is null, never above 1, when the bandwidth
+      // measurement was unreliable (bandwidth_unreliable_reason says why).
+      {"read_gb_per_s", OptionalNumber(r.read_gb_per_s)},
+      {"bandwidth_method", measured ? nlohmann::json(r.bandwidth_method) : nlohmann::json()},
+      {"bandwidth_threads", measured ? nlohmann::json(r.bandwidth_threads) : nlohmann::json()},
+      {"bandwidth_bytes", measured ? nlohmann::json(r.bandwidth_bytes) : nlohmann::json()},
+      {"bandwidth_measurements", r.bandwidth_measurements},
+      {"fraction_of_bandwidth", OptionalNumber(r.fraction_of_bandwidth)},
+      {"bandwidth_unreliable", !r.bandwidth_unreliable_reason.empty()},
       {"kernel_flops", r.kernel_flops},
       {"computed_blocks", r.computed_blocks},
       {"skipped_blocks", r.skipped_blocks},
       {"compute_seconds", r.compute_seconds},
       {"comm_wait_seconds", r.comm_wait_seconds},
+      {"all_to_all_seconds", r.all_to_all_seconds},
       {"rank_flops", r.rank_flops},
       {"imbalance", r.imbalance},
   };
   if (!r.peak_unreliable_reason.empty()) j["peak_unreliable_reason"] = r.peak_unreliable_reason;
+  if (!r.bandwidth_unreliable_reason.empty()) {
+    j["bandwidth_unreliable_reason"] = r.bandwidth_unreliable_reason;
+  }
   if (r.check) {
     // JSON has no infinity: a non-finite error (NaN or inf mismatch) is null.
     auto number = [](double x) { return std::isfinite(x) ? nlohmann::json(x) : nlohmann::json(); };
@@ -239,6 +267,10 @@ CLI::App* AddBenchCommand(CLI::App& app, BenchArgs& a) {
          "--ranks", [&a](const int& n) { a.ranks = n; },
          "ring size, 1 to 4096 (default 1; under mpirun: the process count)")
       ->type_name("INT");
+  cmd->add_option("--ulysses", a.ulysses,
+                  "2-D context parallelism: ranks per Ulysses group U (divides the ranks and "
+                  "--heads); the ring runs over ranks/U groups (docs/CONTEXT_PARALLEL.md)")
+      ->capture_default_str();
   cmd->add_option("--backend", a.backend, "threads|mpi")->capture_default_str();
   cmd->add_option("--dtype", a.dtype, "f32|bf16")->capture_default_str();
   cmd->add_option("--pass", a.pass, "fwd|bwd|fwdbwd")->capture_default_str();
@@ -272,7 +304,8 @@ int RunBench(const BenchArgs& args) {
     try {
       for (size_t i = 0; i < args.seq.size(); ++i) {
         progress.Phase(PhaseName(args.seq, i));
-        const BenchResult r = RunBenchOnRank(*comm, ResolveConfig(args, args.seq[i], comm->size()));
+        const BenchResult r = RunBenchOnRank(
+            *comm, ResolveConfig(args, args.seq[i], comm->size(), comm->DefaultThreads()));
         progress.Phase("");
         if (root) std::cout << ToJson(r).dump() << std::endl;
       }

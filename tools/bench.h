@@ -29,6 +29,7 @@ struct BenchArgs {
   std::string mask = "full";
   std::string layout = "zigzag";
   std::optional<int> ranks;  // absent: 1 (threads) or the MPI world size
+  int ulysses = 1;           // U: ranks per Ulysses group (2-D context parallelism)
   std::string backend = "threads";
   std::string dtype = "f32";
   std::string pass = "fwd";
@@ -53,7 +54,10 @@ nlohmann::json ToJson(const BenchResult& result);
 
 // Checks and resolves the common configuration flags (UsageError on any
 // problem); `seq` is one value of the list, `world` the MPI size (0: threads).
-BenchConfig ResolveConfig(const BenchArgs& args, int64_t seq, int world);
+// `world`: the MPI world size (0 for threads); `mpi_threads`: the MPI
+// communicator's DefaultThreads() (the cores this rank may use), the
+// default --threads-per-rank under MPI.
+BenchConfig ResolveConfig(const BenchArgs& args, int64_t seq, int world, int mpi_threads = 1);
 
 }  // namespace ringsplash::cli
 

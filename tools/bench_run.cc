@@ -3,8 +3,11 @@
 
 #include <algorithm>
 #include <chrono>
+#include <memory>
 
+#include "ringsplash/context_parallel.h"
 #include "ringsplash/error.h"
+#include "tools/bandwidth.h"
 #include "tools/bench_check.h"
 #include "tools/cli_common.h"
 #include "tools/peak.h"
@@ -26,7 +29,7 @@ double Median(std::vector<double> v) {
 
 // What one rank measured, summed over the timed iterations.
 struct RankTotals {
-  double compute = 0, wait = 0, flops = 0, computed = 0, skipped = 0;
+  double compute = 0, wait = 0, flops = 0, computed = 0, skipped = 0, all_to_all = 0;
   void Add(const RankStats& s) {
     compute += s.compute_seconds();
     wait += s.comm_wait_seconds();
@@ -85,9 +88,25 @@ BenchResult RunBenchOnRank(Communicator& comm, const BenchConfig& c) {
   ro.attention.num_threads = c.threads_per_rank;
   ro.layout = c.layout;
 
+  // 2-D context parallelism: the groups once for every iteration (two
+  // Splits); each rank's rows are the 1-D ring's whatever U.
+  const bool grid = !single && c.ulysses > 1;
+  ContextParallelOptions cpo;
+  cpo.ring = ro;
+  cpo.ulysses = c.ulysses;
+  std::unique_ptr<ContextParallelGroups> groups;
+  if (grid) groups = std::make_unique<ContextParallelGroups>(comm, c.ulysses, c.layout);
+
   RankTotals totals;
   auto run_forward = [&](bool timed) {
-    if (single) {
+    if (grid) {
+      ContextParallelStats cs;
+      ContextParallelForward(*groups, in, cpo, out.view(), lse.view(), &cs);
+      if (timed) {
+        totals.Add(cs.ring);
+        totals.all_to_all += cs.forward_all_to_all_seconds;
+      }
+    } else if (single) {
       KernelStats ks;
       const double t0 = Now();
       AttentionForward(in, ro.attention, out.view(), lse.view(), &ks);
@@ -99,7 +118,15 @@ BenchResult RunBenchOnRank(Communicator& comm, const BenchConfig& c) {
     }
   };
   auto run_backward = [&](bool timed) {
-    if (single) {
+    if (grid) {
+      ContextParallelStats cs;
+      ContextParallelBackward(*groups, in, cpo, out.view(), lse.view(), dout.view(), dq.view(),
+                              dk.view(), dv.view(), {}, &cs);
+      if (timed) {
+        totals.Add(cs.ring);
+        totals.all_to_all += cs.backward_all_to_all_seconds;
+      }
+    } else if (single) {
       KernelStats ks;
       const double t0 = Now();
       AttentionBackward(in, ro.attention, out.view(), lse.view(), dout.view(), dq.view(), dk.view(),
@@ -141,6 +168,7 @@ BenchResult RunBenchOnRank(Communicator& comm, const BenchConfig& c) {
   const double iters = std::max(1, c.iters);
   r.compute_seconds = AllGather(comm, totals.compute / iters);
   r.comm_wait_seconds = AllGather(comm, totals.wait / iters);
+  r.all_to_all_seconds = AllGather(comm, totals.all_to_all / iters);
   r.rank_flops = AllGather(comm, totals.flops / iters);
   std::vector<double> computed = AllGather(comm, totals.computed / iters);
   std::vector<double> skipped = AllGather(comm, totals.skipped / iters);
@@ -202,12 +230,47 @@ BenchResult RunBenchOnRank(Communicator& comm, const BenchConfig& c) {
     }
     return peak;
   };
+  // The same for the read bandwidth, for decoding-shaped calls only (the
+  // probe's buffer would add to every other run's time and memory): each
+  // MPI process reads with its threads at the same moment (memory they
+  // share), and the rates add up. The processes on one machine share one
+  // probe's worth of buffer: the caches it must exceed are theirs together.
+  const bool decoding = DecodingShaped(c.pass == Pass::kFwd, c.q_seq, c.heads, c.kv_heads);
+  auto measure_bandwidth = [&]() {
+    Bandwidth bw;
+    if (c.mpi) {
+      comm.Barrier();
+      bw = MeasureReadBandwidth(c.threads_per_rank, ProbeBytes() / LocalRanks(n));
+      const std::vector<double> rates = AllGather(comm, bw.gb_per_s);
+      const std::vector<double> threads = AllGather(comm, bw.threads);
+      const std::vector<double> bytes = AllGather(comm, static_cast<double>(bw.bytes));
+      bw.gb_per_s = 0;
+      bw.threads = 0;
+      bw.bytes = 0;
+      bool every_process = true;
+      for (int i = 0; i < n; ++i) {
+        every_process = every_process && rates[i] > 0;
+        bw.gb_per_s += rates[i];
+        bw.threads += static_cast<int>(threads[i]);
+        bw.bytes += static_cast<int64_t>(bytes[i]);
+      }
+      // A process that could not measure (no buffer) leaves no figure for
+      // all: the sum of the others would understate the machine.
+      if (!every_process) bw.gb_per_s = 0;
+    } else if (rank == 0) {
+      bw = MeasureReadBandwidth(c.threads_per_rank * n);
+    }
+    return bw;
+  };
   const Peak first = measure_peak();
+  const Bandwidth first_bandwidth = decoding ? measure_bandwidth() : Bandwidth{};
   // A rate above the peak (a peak measured while other work had the cores)
-  // is measured once more (SettlePeak). Rank 0 decides; under MPI the other
-  // ranks learn whether to measure with it.
+  // is measured once more (SettlePeak), and a K/V rate above the bandwidth
+  // likewise (SettleBandwidth). Rank 0 decides; under MPI the other ranks
+  // learn whether to measure with it, the peak first.
   if (rank != 0) {
     if (c.mpi && Broadcast(comm, 0) != 0) measure_peak();
+    if (c.mpi && decoding && Broadcast(comm, 0) != 0) measure_bandwidth();
     return r;  // no collective below: other ranks may leave
   }
   bool again = false;
@@ -227,6 +290,22 @@ BenchResult RunBenchOnRank(Communicator& comm, const BenchConfig& c) {
     r.fraction_of_amx_peak = settled.fraction.of_tile_peak.value_or(0.0);
   } else {
     r.peak_unreliable_reason = settled.fraction.unreliable_reason;
+  }
+  if (decoding) {
+    bool read_again = false;
+    const SettledBandwidth bw = SettleBandwidth(r.kv_gb_per_s, first_bandwidth, [&] {
+      read_again = true;
+      if (c.mpi) Broadcast(comm, 1);
+      return measure_bandwidth();
+    });
+    if (c.mpi && !read_again) Broadcast(comm, 0);
+    if (bw.bandwidth.gb_per_s > 0) r.read_gb_per_s = bw.bandwidth.gb_per_s;
+    r.bandwidth_method = bw.bandwidth.method;
+    r.bandwidth_threads = bw.bandwidth.threads;
+    r.bandwidth_bytes = bw.bandwidth.bytes;
+    r.bandwidth_measurements = bw.measurements;
+    r.fraction_of_bandwidth = bw.fraction.of_bandwidth;
+    r.bandwidth_unreliable_reason = bw.fraction.unreliable_reason;
   }
   if (c.check) r.check = CheckSamples(c, mask, samples, c.threads_per_rank * (c.mpi ? 1 : n));
   return r;

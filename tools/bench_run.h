@@ -34,6 +34,7 @@ struct BenchConfig {
   std::string mask = "full";
   Layout layout = Layout::kZigzag;
   int ranks = 1;
+  int ulysses = 1;   // U: ranks per Ulysses group; the ring runs over ranks / U groups
   bool mpi = false;  // backend: false = threads
   DType dtype = DType::kF32;
   Pass pass = Pass::kFwd;
@@ -77,11 +78,26 @@ struct BenchResult {
   // absent when even a second measurement left the peak below the run's rate
   // (peak.h, SettlePeak), with the reason.
   std::optional<double> fraction_of_peak, fraction_of_amx_peak;
-  std::string peak_unreliable_reason;               // empty when the fractions are there
-  int peak_measurements = 1;                        // 2 when the peak was measured again
-  int64_t computed_blocks = 0, skipped_blocks = 0;  // per iteration, all ranks
+  std::string peak_unreliable_reason;  // empty when the fractions are there
+  int peak_measurements = 1;           // 2 when the peak was measured again
+  // Decoding-shaped calls only (bandwidth.h DecodingShaped), else absent / 0:
+  // the read bandwidth of the threads this run used (1e9 bytes per second),
+  // how it was measured, and kv_gb_per_s over it; the fraction absent when
+  // even a second measurement left the bandwidth below the run's rate
+  // (SettleBandwidth), with the reason.
+  std::optional<double> read_gb_per_s;
+  std::string bandwidth_method;
+  int bandwidth_threads = 0;
+  int64_t bandwidth_bytes = 0;     // the probe's buffer (all processes' under MPI)
+  int bandwidth_measurements = 0;  // 0: not measured (not decoding-shaped), 1, or 2
+  std::optional<double> fraction_of_bandwidth;
+  std::string bandwidth_unreliable_reason;  // non-empty exactly when measured but no fraction
+  int64_t computed_blocks = 0, skipped_blocks = 0;                     // per iteration, all ranks
   std::vector<double> compute_seconds, comm_wait_seconds, rank_flops;  // per rank, per iteration
-  double imbalance = 1;                                                // max / mean of rank_flops
+  // Per rank, per iteration: seconds in the all-to-alls of 2-D context
+  // parallelism (both passes; all 0 with ulysses = 1).
+  std::vector<double> all_to_all_seconds;
+  double imbalance = 1;  // max / mean of rank_flops
   std::optional<CheckResult> check;
 };
 

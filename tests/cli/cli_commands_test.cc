@@ -107,7 +107,10 @@ TEST(Cli, BenchCheckEmitsOneJsonObjectPerSeqWithAllFields) {
                           "kv_gb_per_s",
                           "peak_threads",
                           "peak_measurements",
-                          "peak_unreliable"}) {
+                          "peak_unreliable",
+                          "read_gb_per_s",
+                          "fraction_of_bandwidth",
+                          "bandwidth_unreliable"}) {
       EXPECT_TRUE(j.contains(f)) << f;
     }
     const nlohmann::json& c = j["config"];
@@ -213,6 +216,31 @@ TEST(Cli, BenchSingleDeviceDefaultsAndBf16) {
   // Same bf16 inputs on both sides, different tilings: bf16 rounding of
   // probabilities only (see demo.cc), well under 3e-2.
   EXPECT_LT(j["max_rel_err"].get<double>(), 3e-2);
+}
+
+// bench --ulysses: 4 thread ranks in 2 Ulysses groups, checked in the same
+// run against the single-device kernel (bench_check), all-to-all time
+// reported per rank; U not dividing --heads is a usage error.
+TEST(Cli, BenchUlyssesGridChecksAndReportsAllToAll) {
+  const CommandResult r =
+      RunCli({"bench",  "--seq",   "512",    "--heads",  "4", "--kv-heads", "2", "--head-dim",
+              "32",     "--mask",  "causal", "--ranks",  "4", "--ulysses",  "2", "--pass",
+              "fwdbwd", "--iters", "1",      "--warmup", "0", "--check"},
+             300);
+  ASSERT_EQ(r.status, 0) << r.err;
+  const std::vector<nlohmann::json> lines = JsonLines(r.out);
+  ASSERT_EQ(lines.size(), 1u);
+  const nlohmann::json& j = lines[0];
+  EXPECT_EQ(j["config"]["ulysses"], 2);
+  ASSERT_EQ(j["all_to_all_seconds"].size(), 4u);
+  for (const auto& s : j["all_to_all_seconds"]) EXPECT_GT(s.get<double>(), 0.0);
+  // f32 against the single-device kernel: reordered f32 sums only.
+  EXPECT_LT(j["max_rel_err"].get<double>(), 1e-4);
+
+  const CommandResult bad =
+      RunCli({"bench", "--seq", "512", "--heads", "3", "--ranks", "4", "--ulysses", "2"}, 60);
+  EXPECT_EQ(bad.status, 2);
+  EXPECT_NE(bad.err.find("--ulysses: 2 must divide --heads 3"), std::string::npos) << bad.err;
 }
 
 TEST(Cli, DemoPrintsItsTableAndPasses) {
