@@ -16,7 +16,6 @@
 
 #include <atomic>
 #include <cstdint>
-#include <fstream>
 #include <iostream>
 #include <string>
 
@@ -24,6 +23,7 @@
 #include "ringsplash/comm.h"
 #include "ringsplash/error.h"
 #include "ringsplash/ring.h"
+#include "tests/support/peak_memory.h"
 #include "tests/support/test_util.h"
 
 namespace ringsplash::testing {
@@ -42,30 +42,6 @@ constexpr bool kSanitized = false;
 #else
 constexpr bool kSanitized = false;
 #endif
-
-// A field of /proc/self/status in bytes ("VmHWM", "VmRSS"); -1 if absent.
-int64_t StatusBytes(const std::string& field) {
-  std::ifstream status("/proc/self/status");
-  std::string key;
-  while (status >> key) {
-    if (key == field + ":") {
-      int64_t kib = 0;
-      status >> kib;
-      return kib * 1024;
-    }
-    status.ignore(1 << 20, '\n');
-  }
-  return -1;
-}
-
-// Resets VmHWM to the current resident size (Linux >= 4.0); false if the
-// kernel does not allow it.
-bool ResetPeak() {
-  std::ofstream clear("/proc/self/clear_refs");
-  clear << "5";
-  clear.flush();
-  return clear.good();
-}
 
 TEST(RingMemoryTest, MillionTokenCausalRankPeakIsItsShardsAndTwoSlices) {
   if (kSanitized) GTEST_SKIP() << "resident memory is not the library's under sanitizers";

@@ -94,8 +94,8 @@ class RingPlan {
   RingPlan(const Communicator& comm, const RingOptions& options, int64_t local_sq,
            int64_t local_skv, int64_t num_heads);
   // The same without a communicator (e.g. to plan ahead of the job).
-  RingPlan(int rank, int num_ranks, const RingOptions& options, int64_t local_sq,
-           int64_t local_skv, int64_t num_heads);
+  RingPlan(int rank, int num_ranks, const RingOptions& options, int64_t local_sq, int64_t local_skv,
+           int64_t num_heads);
   ~RingPlan();
   RingPlan(RingPlan&&) noexcept;
   RingPlan& operator=(RingPlan&&) noexcept;

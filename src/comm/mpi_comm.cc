@@ -7,11 +7,10 @@
 // MPI; an MPI that grants less is refused with an Error), posts the
 // Isend/Irecv of each shift and all-to-all and the non-blocking collectives,
 // polls MPI_Test on everything in flight every RINGSPLASH_MPI_POLL_US
-// microseconds (default 50) and finalises at exit. The compute threads only
-// queue commands and block on a condition variable.
-// RINGSPLASH_MPI_PROGRESS=wait restricts polling of transfers to while some
-// Wait is blocked — the "no progress thread" baseline the overlap test
-// measures against.
+// microseconds (default 50) and finalises at exit. Compute threads only queue
+// commands and block on a condition variable.
+// RINGSPLASH_MPI_PROGRESS=wait polls transfers only while some Wait blocks:
+// the "no progress thread" baseline the overlap test measures against.
 //
 // Communicators. Each Communicator has an MPI communicator of its own
 // (CommState): MakeMpiCommunicator duplicates MPI_COMM_WORLD or the

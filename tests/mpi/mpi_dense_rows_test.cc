@@ -5,7 +5,6 @@
 // bytes — then, as a control that the measurement can fail, building the
 // global Mask::Dense raises it beyond that; and the ring's shard equals the
 // single-device result on the global mask.
-#include <fstream>
 #include <memory>
 #include <string>
 #include <vector>
@@ -15,6 +14,7 @@
 #include "ringsplash/comm.h"
 #include "ringsplash/ring.h"
 #include "tests/mpi/mpi_problem.h"
+#include "tests/support/peak_memory.h"
 #include "tests/support/test_util.h"
 
 namespace ringsplash {
@@ -33,28 +33,6 @@ Communicator& Comm() {
   return *comm;
 }
 
-// A field of /proc/self/status in bytes ("VmHWM"); -1 if absent.
-int64_t StatusBytes(const std::string& field) {
-  std::ifstream status("/proc/self/status");
-  std::string key;
-  while (status >> key) {
-    if (key == field + ":") {
-      int64_t kib = 0;
-      status >> kib;
-      return kib * 1024;
-    }
-    status.ignore(1 << 20, '\n');
-  }
-  return -1;
-}
-
-bool ResetPeak() {
-  std::ofstream clear("/proc/self/clear_refs");
-  clear << "5";
-  clear.flush();
-  return clear.good();
-}
-
 // The mask's value at (i, j), computed from the positions alone, so a rank
 // can build its rows without the rest: causal, with a pseudo-random third of
 // the allowed pairs removed.
@@ -63,7 +41,8 @@ uint8_t MaskAt(int64_t i, int64_t j) {
 }
 
 TEST(MpiDenseRowsTest, RanksHoldOnlyTheirRowsAndMatchTheSingleDevice) {
-  if (!ResetPeak() || StatusBytes("VmHWM") < 0) GTEST_SKIP() << "cannot measure peak memory";
+  if (!testing::ResetPeak() || testing::StatusBytes("VmHWM") < 0)
+    GTEST_SKIP() << "cannot measure peak memory";
   Communicator& comm = Comm();
   const int n = comm.size(), r = comm.rank();
   constexpr int64_t kSeq = 8192;  // the global mask: 64 MiB
@@ -74,8 +53,8 @@ TEST(MpiDenseRowsTest, RanksHoldOnlyTheirRowsAndMatchTheSingleDevice) {
   Local l = mpi_testing::MakeLocal(p, g, layout, r, n);
   comm.Barrier();
 
-  ResetPeak();
-  const int64_t base = StatusBytes("VmHWM");
+  testing::ResetPeak();
+  const int64_t base = testing::StatusBytes("VmHWM");
   RingOptions options;
   options.layout = layout;
   options.attention.num_threads = 1;
@@ -88,7 +67,7 @@ TEST(MpiDenseRowsTest, RanksHoldOnlyTheirRowsAndMatchTheSingleDevice) {
     options.attention.mask = Mask::DenseRows(std::move(values), 0, rows, kSeq);
   }
   mpi_testing::RunRingOnRank(comm, p, options, l, /*backward=*/true);
-  const int64_t peak = StatusBytes("VmHWM") - base;
+  const int64_t peak = testing::StatusBytes("VmHWM") - base;
   const int64_t global_bytes = kSeq * kSeq;
   EXPECT_LT(peak, global_bytes / 2) << "rank " << r << " peak " << peak / (1 << 20) << " MiB";
 
@@ -100,7 +79,8 @@ TEST(MpiDenseRowsTest, RanksHoldOnlyTheirRowsAndMatchTheSingleDevice) {
   }
   AttentionOptions single;
   single.mask = Mask::Dense(std::move(all), 0, kSeq, kSeq);
-  EXPECT_GT(StatusBytes("VmHWM") - base, global_bytes / 2) << "the measurement cannot fail";
+  EXPECT_GT(testing::StatusBytes("VmHWM") - base, global_bytes / 2)
+      << "the measurement cannot fail";
   Tensor out(DType::kF32, {1, kSeq, 1, 16}), lse(DType::kF32, {1, 1, kSeq});
   Tensor dq(DType::kF32, {1, kSeq, 1, 16}), dk(DType::kF32, {1, kSeq, 1, 16});
   Tensor dv(DType::kF32, {1, kSeq, 1, 16});
