@@ -280,6 +280,10 @@ void RunAttendMpi(const AttendArgs& args, const AttendPlan& plan) {
   std::unique_ptr<Communicator> comm = MakeMpiCommunicator(copt);
   bool ring_started = false;
   try {
+    // Making the communicator is collective, and a rank may still be inside
+    // it when a peer has already failed a check: once every rank is past
+    // this barrier, a peer's failure reaches it here, where it stays silent.
+    comm->Barrier();
     RunAttendMpiRank(*comm, args, plan, ring_started);
   } catch (const std::exception& e) {
     comm->Abort(FailureReason(e));

@@ -302,6 +302,7 @@ int RunBench(const BenchArgs& args) {
     const bool root = comm->rank() == 0;
     Progress progress("ringsplash bench", root);
     try {
+      comm->Barrier();  // every rank past the collective creation (as attend)
       for (size_t i = 0; i < args.seq.size(); ++i) {
         progress.Phase(PhaseName(args.seq, i));
         const BenchResult r = RunBenchOnRank(

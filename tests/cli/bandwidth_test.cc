@@ -37,7 +37,9 @@ using Buffer = std::unique_ptr<uint64_t, FreeDeleter>;
 // `words` 64-byte aligned words, each a distinct odd-looking value (a
 // missed or twice-read word changes the sum).
 Buffer MakeBuffer(size_t words) {
-  Buffer b(static_cast<uint64_t*>(std::aligned_alloc(4096, words * sizeof(uint64_t))));
+  // aligned_alloc wants a size that is a multiple of the alignment.
+  const size_t bytes = (words * sizeof(uint64_t) + 4095) / 4096 * 4096;
+  Buffer b(static_cast<uint64_t*>(std::aligned_alloc(4096, bytes)));
   for (size_t i = 0; i < words; ++i) b.get()[i] = (i + 1) * 0x9E3779B97F4A7C15ull ^ (i << 7);
   return b;
 }
