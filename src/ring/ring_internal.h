@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <vector>
 
@@ -134,6 +135,38 @@ RingSetup PrepareRing(Communicator& comm, const AttentionInputs& local, const Ri
 // Throws Error("injected fault at rank R step S") — after telling the peers
 // through comm.Abort — when the fault spec names this rank, step and pass.
 void MaybeInjectFault(Communicator& comm, const RingSetup& setup, int step, bool backward);
+
+// The thread-ranks conveniences (RingAttentionThreads, ContextParallelThreads)
+// share their plumbing: check the global problem, shard it per layout over
+// N thread ranks, run each rank's passes, gather the results.
+//
+// CheckGlobalRun validates `global` and its outputs with `attention` the way
+// the per-rank entry points would, before any rank starts (so argument
+// errors read as such, not as "rank 0 failed: ..."), and that the lengths
+// divide by the layout over `num_ranks`; returns the global sizes.
+kernels::AttentionDims CheckGlobalRun(const AttentionInputs& global,
+                                      const AttentionOptions& attention, Layout layout,
+                                      int num_ranks, TensorView out, TensorView lse,
+                                      TensorView dout, TensorView dq, TensorView dk, TensorView dv,
+                                      TensorView dsinks);
+
+// One rank's shards: inputs, and the local outputs the rank's passes write
+// (dout and the gradients undefined for a forward-only run; dsinks is the
+// caller's on rank 0 and scratch on the others, since every rank computes
+// the same global dsinks).
+struct RankShards {
+  AttentionInputs local;
+  TensorView out, lse, dout, dq, dk, dv, dsinks;
+};
+
+// Runs `passes` on `num_ranks` thread ranks, each given its shards of the
+// checked global problem, then gathers every rank's outputs into the
+// caller's global tensors.
+void RunShardedThreads(
+    int num_ranks, const CommOptions& comm, Layout layout, const kernels::AttentionDims& dims,
+    const AttentionInputs& global, TensorView out, TensorView lse, TensorView dout, TensorView dq,
+    TensorView dk, TensorView dv, TensorView dsinks,
+    const std::function<void(Communicator& comm, const RankShards& shards)>& passes);
 
 // Wall-clock seconds since `start`.
 inline double SecondsSince(std::chrono::steady_clock::time_point start) {

@@ -1,6 +1,7 @@
 // RingAttentionThreads: the whole ring in one process — shard global tensors
 // per layout, run every rank as a thread (threads communicator), gather the
 // results back into the caller's global tensors.
+#include <functional>
 #include <vector>
 
 #include "ringsplash/error.h"
@@ -31,6 +32,80 @@ TensorView ViewOrEmpty(const Tensor& t) { return t.data() ? t.view() : TensorVie
 
 }  // namespace
 
+namespace ring_internal {
+
+kernels::AttentionDims CheckGlobalRun(const AttentionInputs& global,
+                                      const AttentionOptions& attention, Layout layout,
+                                      int num_ranks, TensorView out, TensorView lse,
+                                      TensorView dout, TensorView dq, TensorView dk, TensorView dv,
+                                      TensorView dsinks) {
+  const kernels::AttentionDims dims = kernels::ValidateInputsAndOptions(global, attention);
+  kernels::ValidateForwardOutputs(dims, global, out, lse);
+  if (dout.defined()) {
+    kernels::ValidateBackwardArgs(dims, global, out, lse, dout, dq, dk, dv, dsinks);
+    // One call runs both passes: the forward writes out and lse (some ranks
+    // while others still read their dout shard).
+    kernels::CheckNoAliasing({{"out", out}, {"lse", lse}}, {{"dout", dout}});
+  }
+  LayoutPositions(layout, dims.sq, 0, num_ranks, "q sequence length");
+  LayoutPositions(layout, dims.skv, 0, num_ranks, "kv sequence length");
+  return dims;
+}
+
+void RunShardedThreads(
+    int num_ranks, const CommOptions& comm_options, Layout layout,
+    const kernels::AttentionDims& dims, const AttentionInputs& global, TensorView out,
+    TensorView lse, TensorView dout, TensorView dq, TensorView dk, TensorView dv, TensorView dsinks,
+    const std::function<void(Communicator& comm, const RankShards& shards)>& passes) {
+  const int n = num_ranks;
+  const bool backward = dout.defined();
+  RunThreadRanks(n, comm_options, [&](Communicator& comm) {
+    const int r = comm.rank();
+    const Tensor q = Shard(layout, r, n, global.q);
+    const Tensor k = Shard(layout, r, n, global.k);
+    const Tensor v = Shard(layout, r, n, global.v);
+    const Tensor q_seg = Shard(layout, r, n, global.q_segments);
+    const Tensor kv_seg = Shard(layout, r, n, global.kv_segments);
+    RankShards x;
+    x.local.q = q.view();
+    x.local.k = k.view();
+    x.local.v = v.view();
+    x.local.sinks = global.sinks;
+    x.local.q_segments = ViewOrEmpty(q_seg);
+    x.local.kv_segments = ViewOrEmpty(kv_seg);
+
+    Tensor out_l = LocalLike(out, dims.sq / n);
+    Tensor lse_l(DType::kF32, {dims.b, dims.h, dims.sq / n});
+    x.out = out_l.view();
+    x.lse = lse_l.view();
+    Tensor dout_l, dq_l, dk_l, dv_l, dsinks_scratch;
+    if (backward) {
+      dout_l = Shard(layout, r, n, dout);
+      dq_l = LocalLike(dq, dims.sq / n);
+      dk_l = LocalLike(dk, dims.skv / n);
+      dv_l = LocalLike(dv, dims.skv / n);
+      x.dout = dout_l.view();
+      x.dq = dq_l.view();
+      x.dk = dk_l.view();
+      x.dv = dv_l.view();
+      x.dsinks = dsinks;
+      if (dsinks.defined() && r != 0) {
+        dsinks_scratch = Tensor(DType::kF32, {dims.h});
+        x.dsinks = dsinks_scratch.view();
+      }
+    }
+    passes(comm, x);
+    GatherSequence(layout, r, n, x.out, out, 1);
+    GatherSequence(layout, r, n, x.lse, lse, 2);
+    if (!backward) return;
+    GatherSequence(layout, r, n, x.dq, dq, 1);
+    GatherSequence(layout, r, n, x.dk, dk, 1);
+    GatherSequence(layout, r, n, x.dv, dv, 1);
+  });
+}
+
+}  // namespace ring_internal
+
 std::vector<RankStats> RingAttentionThreads(const RingRun& run, const AttentionInputs& global,
                                             TensorView out, TensorView lse, TensorView dout,
                                             TensorView dq, TensorView dk, TensorView dv,
@@ -40,64 +115,19 @@ std::vector<RankStats> RingAttentionThreads(const RingRun& run, const AttentionI
   Check(global.q_positions.empty() && global.kv_positions.empty(),
         "ring: q_positions and kv_positions must be empty (the ring derives global positions "
         "from the layout)");
-  // Check everything on the global problem first, so argument errors read as
-  // such rather than as "rank 0 failed: ...".
-  const kernels::AttentionDims dims =
-      kernels::ValidateInputsAndOptions(global, run.options.attention);
-  kernels::ValidateForwardOutputs(dims, global, out, lse);
-  const bool backward = dout.defined();
-  if (backward) {
-    kernels::ValidateBackwardArgs(dims, global, out, lse, dout, dq, dk, dv, dsinks);
-    // One call runs both passes: the forward writes out and lse (some ranks
-    // while others still read their dout shard).
-    kernels::CheckNoAliasing({{"out", out}, {"lse", lse}}, {{"dout", dout}});
-  }
   const Layout layout = run.options.layout;
-  LayoutPositions(layout, dims.sq, 0, n, "q sequence length");
-  LayoutPositions(layout, dims.skv, 0, n, "kv sequence length");
-
+  const kernels::AttentionDims dims = ring_internal::CheckGlobalRun(
+      global, run.options.attention, layout, n, out, lse, dout, dq, dk, dv, dsinks);
   std::vector<RankStats> stats(static_cast<size_t>(n));
-  RunThreadRanks(n, run.comm, [&](Communicator& comm) {
-    const int r = comm.rank();
-    const Tensor q = Shard(layout, r, n, global.q);
-    const Tensor k = Shard(layout, r, n, global.k);
-    const Tensor v = Shard(layout, r, n, global.v);
-    const Tensor q_seg = Shard(layout, r, n, global.q_segments);
-    const Tensor kv_seg = Shard(layout, r, n, global.kv_segments);
-    AttentionInputs local;
-    local.q = q.view();
-    local.k = k.view();
-    local.v = v.view();
-    local.sinks = global.sinks;
-    local.q_segments = ViewOrEmpty(q_seg);
-    local.kv_segments = ViewOrEmpty(kv_seg);
-
-    Tensor out_l = LocalLike(out, dims.sq / n);
-    Tensor lse_l(DType::kF32, {dims.b, dims.h, dims.sq / n});
-    RankStats& st = stats[static_cast<size_t>(r)];
-    RingAttentionForward(comm, local, run.options, out_l.view(), lse_l.view(), &st);
-    GatherSequence(layout, r, n, out_l.view(), out, 1);
-    GatherSequence(layout, r, n, lse_l.view(), lse, 2);
-    if (!backward) return;
-
-    const Tensor dout_l = Shard(layout, r, n, dout);
-    Tensor dq_l = LocalLike(dq, dims.sq / n);
-    Tensor dk_l = LocalLike(dk, dims.skv / n);
-    Tensor dv_l = LocalLike(dv, dims.skv / n);
-    // dsinks is global and identical on every rank: rank 0 writes the
-    // caller's, the others a scratch copy.
-    Tensor dsinks_scratch;
-    TensorView ds = dsinks;
-    if (dsinks.defined() && r != 0) {
-      dsinks_scratch = Tensor(DType::kF32, {dims.h});
-      ds = dsinks_scratch.view();
-    }
-    RingAttentionBackward(comm, local, run.options, out_l.view(), lse_l.view(), dout_l.view(),
-                          dq_l.view(), dk_l.view(), dv_l.view(), ds, &st);
-    GatherSequence(layout, r, n, dq_l.view(), dq, 1);
-    GatherSequence(layout, r, n, dk_l.view(), dk, 1);
-    GatherSequence(layout, r, n, dv_l.view(), dv, 1);
-  });
+  ring_internal::RunShardedThreads(
+      n, run.comm, layout, dims, global, out, lse, dout, dq, dk, dv, dsinks,
+      [&](Communicator& comm, const ring_internal::RankShards& x) {
+        RankStats& st = stats[static_cast<size_t>(comm.rank())];
+        RingAttentionForward(comm, x.local, run.options, x.out, x.lse, &st);
+        if (!x.dout.defined()) return;
+        RingAttentionBackward(comm, x.local, run.options, x.out, x.lse, x.dout, x.dq, x.dk, x.dv,
+                              x.dsinks, &st);
+      });
   return stats;
 }
 
