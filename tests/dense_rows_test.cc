@@ -122,6 +122,9 @@ TEST(DenseRowsTest, ArgumentsAreChecked) {
   EXPECT_THROW(Mask::DenseRows(std::vector<uint8_t>(7), 0, {1, 3}, 4), Error);
   const Mask m = Mask::DenseRows(std::vector<uint8_t>(8, 1), 0, {1, 3}, 4);
   EXPECT_EQ(m.ToString(), "dense_rows[2x4]");
+  EXPECT_TRUE(m.has_dense_rows());
+  EXPECT_TRUE((Mask::Causal() & m).has_dense_rows());
+  EXPECT_FALSE(Mask::Dense(std::vector<uint8_t>(16, 1), 0, 4, 4).has_dense_rows());
   EXPECT_EQ(m.dense_sq(), 4);
   EXPECT_EQ(m.dense_skv(), 4);
 }

@@ -76,6 +76,8 @@ class Mask {
   int64_t dense_sq() const;
   int64_t dense_skv() const;
   bool has_dense() const;
+  // Whether some Dense leaf is a DenseRows one (holds only listed rows).
+  bool has_dense_rows() const;
   // With Dense leaves: the first of `q_positions` that some Dense leaf holds
   // no row for (outside [0, sq) of Mask::Dense, not among the rows of
   // Mask::DenseRows); nullopt when every position is held (or no Dense leaf).

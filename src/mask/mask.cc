@@ -34,6 +34,7 @@ int64_t MergeHeads(int64_t a, int64_t b, const char* what) {
 
 void MergeDenseExtent(Node& node, const Node& child) {
   if (!child.has_dense) return;
+  node.has_dense_rows = node.has_dense_rows || child.has_dense_rows;
   if (!node.has_dense) {
     node.dense_sq = child.dense_sq;
     node.dense_skv = child.dense_skv;
@@ -257,6 +258,7 @@ Mask Mask::DenseRows(std::vector<uint8_t> values, int64_t heads, std::vector<int
                         static_cast<int64_t>(rows.size()), skv);
   node->dense_sq = rows.back() + 1;
   node->row_pos = std::move(rows);
+  node->has_dense_rows = true;
   return Mask(std::move(node));
 }
 
@@ -319,6 +321,7 @@ int64_t Mask::num_heads() const { return node_->num_heads; }
 int64_t Mask::dense_sq() const { return node_->dense_sq; }
 int64_t Mask::dense_skv() const { return node_->dense_skv; }
 bool Mask::has_dense() const { return node_->has_dense; }
+bool Mask::has_dense_rows() const { return node_->has_dense_rows; }
 
 std::string Mask::ToString() const {
   std::string out;

@@ -72,7 +72,8 @@ struct Node {
   // Properties of the whole subtree, computed once at construction.
   int64_t num_heads = 0;  // 0: head-independent
   bool has_dense = false;
-  int64_t dense_sq = 0;  // smallest Dense extent of the subtree (0 if none)
+  bool has_dense_rows = false;  // some Dense leaf holds listed rows (DenseRows)
+  int64_t dense_sq = 0;         // smallest Dense extent of the subtree (0 if none)
   int64_t dense_skv = 0;
 
   static constexpr int64_t kGranule = 16;

@@ -7,7 +7,6 @@
 
 #include "ringsplash/error.h"
 #include "src/kernels/combine.h"
-#include "src/mask/mask_node.h"
 #include "src/ring/ring_internal.h"
 
 namespace ringsplash::ring_internal {
@@ -15,15 +14,6 @@ namespace ringsplash::ring_internal {
 namespace {
 
 size_t AlignUp(size_t n) { return (n + 63) / 64 * 64; }
-
-// Whether some Dense leaf of the mask holds only listed rows (DenseRows).
-bool HasDenseRows(const mask_detail::Node& n) {
-  if (n.kind == mask_detail::NodeKind::kDense) return !n.row_pos.empty();
-  for (const auto& child : n.children) {
-    if (HasDenseRows(*child)) return true;
-  }
-  return false;
-}
 
 }  // namespace
 
@@ -131,7 +121,7 @@ RingSetup PrepareRing(Communicator& comm, const AttentionInputs& local, const Ri
     // A global Dense leaf must cover the global sequence (the same check, and
     // Error, on every rank); DenseRows leaves hold each rank's own rows, so
     // only this rank's positions can be checked against them.
-    const bool rows = HasDenseRows(opt.mask.node());
+    const bool rows = opt.mask.has_dense_rows();
     Check((rows || s.sq_global <= opt.mask.dense_sq()) && s.skv_global <= opt.mask.dense_skv(),
           "mask: expected a dense mask covering the global sequence [", s.sq_global, ", ",
           s.skv_global, "] (local lengths x ", n, " ranks), got a dense extent of [",
