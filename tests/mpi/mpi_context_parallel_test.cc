@@ -32,14 +32,7 @@ using mpi_testing::Problem;
 // both are within ~1e-6 of exact here, bugs move results by > 1e-2.
 constexpr double kTol = 1e-5;
 
-Communicator& Comm() {
-  static std::unique_ptr<Communicator> comm = [] {
-    CommOptions opt;
-    opt.timeout_s = 120;
-    return MakeMpiCommunicator(opt);
-  }();
-  return *comm;
-}
+Communicator& Comm() { return mpi_testing::WorldComm(); }
 
 void ExpectClose(const Tensor& actual, const Tensor& expected, double floor,
                  const std::string& what) {

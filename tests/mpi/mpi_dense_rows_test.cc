@@ -24,14 +24,7 @@ using mpi_testing::Global;
 using mpi_testing::Local;
 using mpi_testing::Problem;
 
-Communicator& Comm() {
-  static std::unique_ptr<Communicator> comm = [] {
-    CommOptions opt;
-    opt.timeout_s = 120;
-    return MakeMpiCommunicator(opt);
-  }();
-  return *comm;
-}
+Communicator& Comm() { return mpi_testing::WorldComm(); }
 
 // The mask's value at (i, j), computed from the positions alone, so a rank
 // can build its rows without the rest: causal, with a pseudo-random third of

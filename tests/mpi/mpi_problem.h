@@ -5,14 +5,28 @@
 #define RINGSPLASH_TESTS_MPI_MPI_PROBLEM_H_
 
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "ringsplash/attention.h"
+#include "ringsplash/comm.h"
 #include "ringsplash/ring.h"
 #include "ringsplash/tensor.h"
 #include "tests/support/test_util.h"
 
 namespace ringsplash::mpi_testing {
+
+// The test binary's MPI communicator over MPI_COMM_WORLD, made on first use
+// (collective: every rank's first call), with a timeout generous enough for
+// oversubscribed and sanitizer runs.
+inline Communicator& WorldComm() {
+  static std::unique_ptr<Communicator> comm = [] {
+    CommOptions opt;
+    opt.timeout_s = 120;
+    return MakeMpiCommunicator(opt);
+  }();
+  return *comm;
+}
 
 struct Problem {
   testing::ProblemSpec spec;

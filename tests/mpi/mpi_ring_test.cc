@@ -36,14 +36,7 @@ using mpi_testing::Problem;
 // exact here, bugs move results by > 1e-2.
 constexpr double kTol = 1e-5;
 
-Communicator& Comm() {
-  static std::unique_ptr<Communicator> comm = [] {
-    CommOptions opt;
-    opt.timeout_s = 120;
-    return MakeMpiCommunicator(opt);
-  }();
-  return *comm;
-}
+Communicator& Comm() { return mpi_testing::WorldComm(); }
 
 void ExpectClose(const Tensor& actual, const Tensor& expected, double floor, const char* what) {
   const testing::Comparison c =
