@@ -263,9 +263,10 @@ TEST(FlashTest, MasksGqaAndBlockShapes) {
   }
 }
 
-// Whether FlashForward reads the K and V of `prob` through per-thread tile
-// copies (KvTileCache): f32 rows strided by other heads, or V rows of 512
-// bytes and more, in tiles used too rarely for a copy per call.
+// Whether FlashForward on an f32 product path reads the K and V of `prob`
+// through per-thread tile copies (KvTileCache): bf16 rows, f32 rows strided
+// by other heads, or V rows of 512 bytes and more, in tiles used too rarely
+// for a copy per call.
 bool UsesTileCopies(const FlashParams& p) {
   const kernels::Geometry g = kernels::Geometry::Of(p);
   const kernels::TilePlan plan(p, g, /*by_column=*/false);
@@ -303,26 +304,31 @@ TEST(FlashTest, DecodingReadsDenseRowsInPlace) {
 }
 
 // Sliding windows over [B, S, H, D] tensors: K and V tiles are copied per
-// thread as tasks use them, tasks run in runs of neighbouring q blocks. The
-// result matches the reference and does not depend on the thread count
-// (which thread copied which tile).
+// thread as tasks use them (bf16 rows widened to f32 in the copy on the f32
+// product paths), tasks run in runs of neighbouring q blocks. The result
+// matches the reference and does not depend on the thread count (which
+// thread copied which tile).
 TEST(FlashTest, WindowTileCopiesMatchReferenceOnAnyThreadCount) {
   uint64_t seed = 250;
   for (KernelPath path : SupportedKernelPaths()) {
-    const Shape sh{2, 300, 300, 4, 2, 64, 48};
-    RunConfig s;
-    s.path = path;
-    s.mask = Mask::Causal() & Mask::Local(40, std::nullopt);
-    s.blocks = {32, 16};
-    Problem prob(++seed, SpecOf(sh));
-    ASSERT_TRUE(UsesTileCopies(prob.Params(s)));
-    CheckAgainstReference(sh, DType::kF32, s, /*segments=*/false, seed, /*backward=*/false);
-    s.threads = 1;
-    const Result r1 = prob.Run(s, false);
-    for (int threads : {2, 3}) {
-      s.threads = threads;
-      const Result rn = prob.Run(s, false);
-      EXPECT_TRUE(BitwiseEqual(r1, rn)) << threads;
+    for (DType dtype : {DType::kF32, DType::kBF16}) {
+      const Shape sh{2, 300, 300, 4, 2, 64, 48};
+      RunConfig s;
+      s.path = path;
+      s.mask = Mask::Causal() & Mask::Local(40, std::nullopt);
+      s.blocks = {32, 16};
+      ProblemSpec spec = SpecOf(sh);
+      spec.dtype = dtype;
+      Problem prob(++seed, spec);
+      ASSERT_TRUE(UsesTileCopies(prob.Params(s))) << DTypeName(dtype);
+      CheckAgainstReference(sh, dtype, s, /*segments=*/false, seed, /*backward=*/false);
+      s.threads = 1;
+      const Result r1 = prob.Run(s, false);
+      for (int threads : {2, 3}) {
+        s.threads = threads;
+        const Result rn = prob.Run(s, false);
+        EXPECT_TRUE(BitwiseEqual(r1, rn)) << threads << " " << DTypeName(dtype);
+      }
     }
   }
 }

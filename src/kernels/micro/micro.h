@@ -92,6 +92,12 @@ using TransposeF32Fn = bool (*)(int64_t rows, int64_t cols, const float* src, in
 // so implementations ask for the rows a few ahead of the copy.
 using CopyRowsF32Fn = bool (*)(const float* src, int64_t lds, int64_t rows, int64_t cols,
                                float* dst, int64_t ldd);
+// As CopyRowsF32 from bf16 rows (src and lds in bf16 elements), each value
+// widened to f32 (exact: its bits shifted up 16); NaN and infinity stay so.
+// The per-thread tile copies of bf16 K and V on the f32 product paths, which
+// otherwise widen all of K and V once per call into fresh memory.
+using WidenRowsBf16Fn = bool (*)(const uint16_t* src, int64_t lds, int64_t rows, int64_t cols,
+                                 float* dst, int64_t ldd);
 
 // --- Tiles in the transposed layout -------------------------------------------
 // The flash loops hold score tiles TRANSPOSED: S^T = K Q^T with keys as rows
@@ -248,6 +254,7 @@ struct MicroKernels {
   GradOperandsBf16Fn grad_operands_bf16 = nullptr;
   TransposeF32Fn transpose_f32 = nullptr;
   CopyRowsF32Fn copy_rows_f32 = nullptr;
+  WidenRowsBf16Fn widen_rows_bf16 = nullptr;
   MaskBitsFn mask_bits = nullptr;
   SoftmaxColumnsFn softmax_columns = nullptr;
   ForwardTileFn forward_tile = nullptr;

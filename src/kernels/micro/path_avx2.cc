@@ -390,6 +390,43 @@ bool CopyRowsF32(const float* src, int64_t lds, int64_t rows, int64_t cols, floa
   return check.Any();
 }
 
+// CopyRowsF32 from bf16 rows: 8 bf16 (16 bytes) per step, zero extended
+// and shifted into the high halves of 8 f32 lanes; a row's last partial step
+// goes through a zeroed staging vector (AVX2 has no 16-bit masked load).
+bool WidenRowsBf16(const uint16_t* src, int64_t lds, int64_t rows, int64_t cols, float* dst,
+                   int64_t ldd) {
+  NonFiniteCheck check;  // lanes beyond `cols` load as 0
+  for (int64_t r = 0; r < rows; ++r) {
+    if (r + kPrefetchRows < rows) {
+      const char* ahead = reinterpret_cast<const char*>(src + (r + kPrefetchRows) * lds);
+      for (int64_t o = 0; o < cols * static_cast<int64_t>(sizeof(uint16_t)); o += 64) {
+        _mm_prefetch(ahead + o, _MM_HINT_T0);
+      }
+    }
+    const uint16_t* s = src + r * lds;
+    float* d = dst + r * ldd;
+    for (int64_t c = 0; c < ldd; c += 8) {
+      const int64_t left = cols - c;
+      __m128i half;
+      if (left >= 8) {
+        half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + c));
+      } else {
+        alignas(16) uint16_t stage[8] = {};
+        for (int64_t i = 0; i < left; ++i) stage[i] = s[c + i];
+        half = _mm_load_si128(reinterpret_cast<const __m128i*>(stage));
+      }
+      const __m256 v = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
+      check.Add(v);
+      if (ldd - c >= 8) {
+        _mm256_storeu_ps(d + c, v);
+      } else {
+        _mm256_maskstore_ps(d + c, FirstLanes(ldd - c), v);
+      }
+    }
+  }
+  return check.Any();
+}
+
 // 8 x 8 blocks transposed in registers: unpack pairs of rows, shuffle pairs
 // of 64-bit pairs, then swap 128-bit halves. Each 8-row strip reads its rows
 // front to back, where a column walk touches 128 strided cache lines per
@@ -455,6 +492,7 @@ const MicroKernels& Avx2MicroKernels() {
     t.gemm_f32 = avx2::GemmF32;
     t.gemm_f32_ranges = avx2::GemmF32Ranges;
     t.copy_rows_f32 = avx2::CopyRowsF32;
+    t.widen_rows_bf16 = avx2::WidenRowsBf16;
     t.transpose_f32 = avx2::TransposeF32;
     t.softmax_columns = avx2::SoftmaxColumns;
     t.forward_tile = avx2::ForwardTile;

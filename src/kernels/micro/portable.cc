@@ -314,6 +314,22 @@ bool CopyRowsF32(const float* src, int64_t lds, int64_t rows, int64_t cols, floa
   return bad != 0;
 }
 
+bool WidenRowsBf16(const uint16_t* src, int64_t lds, int64_t rows, int64_t cols, float* dst,
+                   int64_t ldd) {
+  uint32_t bad = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint16_t* s = src + r * lds;
+    float* d = dst + r * ldd;
+    for (int64_t c = 0; c < cols; ++c) {
+      const uint32_t bits = static_cast<uint32_t>(s[c]) << 16;
+      std::memcpy(d + c, &bits, sizeof(bits));
+      bad |= NonFinite(d[c]);
+    }
+    for (int64_t c = cols; c < ldd; ++c) d[c] = 0.0f;
+  }
+  return bad != 0;
+}
+
 }  // namespace
 
 const MicroKernels& PortableMicroKernels() {
@@ -325,6 +341,7 @@ const MicroKernels& PortableMicroKernels() {
     t.mask_bits = MaskBits;
     t.transpose_f32 = TransposeF32;
     t.copy_rows_f32 = CopyRowsF32;
+    t.widen_rows_bf16 = WidenRowsBf16;
     t.softmax_columns = SoftmaxColumns;
     t.forward_tile = ForwardTile;
     t.backward_tile = BackwardTile;

@@ -194,11 +194,18 @@ KvRows::KvRows(const FlashParams& p, const Geometry& g, KeyFormat keys, double u
   const bool in_place_as_is = keys == KeyFormat::kF32 && k_f32 && k_rows_dense && v_whole_vectors &&
                               v.stride[1] == g.dv && (v_like_packed || uses < kCopyMinUses);
   const bool bf16_keys = keys == KeyFormat::kBf16 || keys == KeyFormat::kBf16Tiles;
-  if (tile_cache && !bf16_keys && k_f32 && v_f32 && uses < kPackMinUses && !in_place_as_is) {
+  // bf16 K and V for f32 products are widened in those per-thread copies
+  // (never read in place): a sliding window's tiles are used a few times
+  // each, and widening all of K and V once per call into fresh memory cost
+  // a fifth of such a forward (docs/perf/PHASES.md).
+  const bool k_bf16 = k.dtype == DType::kBF16 && k.stride[3] == 1;
+  const bool v_bf16 = v.dtype == DType::kBF16 && v.stride[3] == 1;
+  if (tile_cache && !bf16_keys && (k_f32 || k_bf16) && (v_f32 || v_bf16) && uses < kPackMinUses &&
+      !in_place_as_is) {
     tile_cache_ = true;  // K and V below are then the copies' sources
-    k_in_place_ = static_cast<const float*>(k.data);
+    (k_bf16 ? k_widen_ : k_in_place_) = k.data;
     ldk_ = k.stride[1];
-    v_in_place_ = static_cast<const float*>(v.data);
+    (v_bf16 ? v_widen_ : v_in_place_) = v.data;
     ldv_ = v.stride[1];
     return;
   }
@@ -208,14 +215,14 @@ KvRows::KvRows(const FlashParams& p, const Geometry& g, KeyFormat keys, double u
   // packing pays once tiles are used often (docs/PERFORMANCE.md, "Design
   // measurements": K rows in place).
   if (keys == KeyFormat::kF32 && k_f32 && (k_rows_dense || uses < kPackMinUses)) {
-    k_in_place_ = static_cast<const float*>(k.data);
+    k_in_place_ = k.data;
     ldk_ = k.stride[1];
   }
   // V (see the class comment): rows back to back with a panel spanning whole
   // rows (Dv <= 64) read like a packed tile; otherwise only when packing
   // would not pay.
   if (v_whole_vectors && (v_like_packed || uses < kPackMinUses)) {
-    v_in_place_ = static_cast<const float*>(v.data);
+    v_in_place_ = v.data;
     ldv_ = v.stride[1];
   }
   const int64_t d2 = micro::RoundUp(g.d, 2);
@@ -283,14 +290,14 @@ bool KvRows::NonFinite(const FlashParams& p, int64_t b, int64_t kh, int64_t kvb)
 
 const float* KvRows::Keys(int64_t b, int64_t kh, int64_t kvb) const {
   if (k_in_place_ != nullptr) {
-    return k_in_place_ + b * k_stride_[0] + kvb * g_.bkv * k_stride_[1] + kh * k_stride_[2];
+    return static_cast<const float*>(k_in_place_) + Offset(k_stride_, b, kh, kvb);
   }
   return k_packed_.data() + Tile(b, kh, kvb) * k_elems_;
 }
 
 const uint16_t* KvRows::KeysBf16(int64_t b, int64_t kh, int64_t kvb) const {
   if (k_bf16_in_place_ != nullptr) {
-    return k_bf16_in_place_ + b * k_stride_[0] + kvb * g_.bkv * k_stride_[1] + kh * k_stride_[2];
+    return k_bf16_in_place_ + Offset(k_stride_, b, kh, kvb);
   }
   return k_bf16_.data() + Tile(b, kh, kvb) * k_elems_;
 }
@@ -298,7 +305,7 @@ const uint16_t* KvRows::KeysBf16(int64_t b, int64_t kh, int64_t kvb) const {
 const float* KvRows::Values(int64_t b, int64_t kh, int64_t kvb) const {
   if (keys_ == KeyFormat::kBf16Tiles) return nullptr;  // the caller reads the tensor
   if (v_in_place_ != nullptr) {
-    return v_in_place_ + b * v_stride_[0] + kvb * g_.bkv * v_stride_[1] + kh * v_stride_[2];
+    return static_cast<const float*>(v_in_place_) + Offset(v_stride_, b, kh, kvb);
   }
   return v_packed_.data() + Tile(b, kh, kvb) * v_elems_;
 }
@@ -345,9 +352,22 @@ KvTile KvTileCache::Get(const KvRows& kv, const micro::MicroKernels& mk, int64_t
       copies_.Find(kv.id_, kv.Tile(b, kh, kvb), k_floats + g.bkv * g.ld_dv, kBudgetBytes, &hit);
   if (!hit) {
     const int64_t n = g.KvRows(kvb);
-    // tile_cache() implies f32 K and V read in place (unit inner stride).
-    bool bad = mk.copy_rows_f32(kv.Keys(b, kh, kvb), kv.ldk(), n, g.d, k, g.ld_d);
-    bad = mk.copy_rows_f32(kv.Values(b, kh, kvb), kv.ldv(), n, g.dv, k + k_floats, g.ld_dv) || bad;
+    // tile_cache() implies K and V of unit inner stride, f32 (copied) or
+    // bf16 (widened).
+    const int64_t k_at = kv.Offset(kv.k_stride_, b, kh, kvb);
+    const int64_t v_at = kv.Offset(kv.v_stride_, b, kh, kvb);
+    float* v = k + k_floats;
+    bool bad = kv.k_widen_ != nullptr
+                   ? mk.widen_rows_bf16(static_cast<const uint16_t*>(kv.k_widen_) + k_at, kv.ldk(),
+                                        n, g.d, k, g.ld_d)
+                   : mk.copy_rows_f32(static_cast<const float*>(kv.k_in_place_) + k_at, kv.ldk(),
+                                      n, g.d, k, g.ld_d);
+    bad = (kv.v_widen_ != nullptr
+               ? mk.widen_rows_bf16(static_cast<const uint16_t*>(kv.v_widen_) + v_at, kv.ldv(), n,
+                                    g.dv, v, g.ld_dv)
+               : mk.copy_rows_f32(static_cast<const float*>(kv.v_in_place_) + v_at, kv.ldv(), n,
+                                  g.dv, v, g.ld_dv)) ||
+          bad;
     if (non_finite != nullptr && bad) *non_finite = true;
   }
   return {k, g.ld_d, k + k_floats, g.ld_dv};

@@ -117,11 +117,11 @@ class TileMask {
 //     batch, over all query heads of its group) — dense masks and long rows,
 //     not sliding windows — or when it cannot be read in place
 //     (docs/PERFORMANCE.md, "Design measurements": V rows in place).
-// With `tile_cache`, f32 tiles used too rarely for a copy per call are
-// instead copied per thread as they are used (KvTileCache) unless they can
-// be read in place as they are (rows back to back, nothing to pad):
-// tile_cache() says so, and the loops must then read K and V only through
-// a KvTileCache (Keys and Values give the copies' sources).
+// With `tile_cache`, f32 keys' tiles used too rarely for a copy per call
+// are instead copied per thread as they are used (KvTileCache) — f32 rows
+// copied, bf16 rows widened — unless they can be read in place as they are
+// (f32 rows back to back, nothing to pad): tile_cache() says so, and the
+// loops must then read K and V only through a KvTileCache.
 // With `checked_copy`, f32 rows of unit inner stride packed per call are
 // copied by its copy_rows_f32, which also notes whether a tile's rows hold a
 // NaN or an infinity: NonFinite then needs no second read of those rows.
@@ -146,8 +146,6 @@ class KvRows {
   int64_t ldk_bf16() const { return ldk_bf16_; }
   const float* Values(int64_t b, int64_t kh, int64_t kvb) const;
   int64_t ldv() const { return ldv_; }
-  bool keys_in_place() const { return k_in_place_ != nullptr; }
-  bool values_in_place() const { return v_in_place_ != nullptr; }
   bool tile_cache() const { return tile_cache_; }
   bool f32_keys() const { return keys_ == KeyFormat::kF32 || keys_ == KeyFormat::kF32Padded; }
   // Whether the K or V rows of tile (b, kh, kvb) of p (the call's params)
@@ -160,14 +158,22 @@ class KvRows {
   int64_t Tile(int64_t b, int64_t kh, int64_t kvb) const {
     return (b * g_.hkv + kh) * g_.nkvb + kvb;
   }
+  // Elements from a tensor's start to the first row of tile (b, kh, kvb).
+  int64_t Offset(const int64_t (&stride)[3], int64_t b, int64_t kh, int64_t kvb) const {
+    return b * stride[0] + kvb * g_.bkv * stride[1] + kh * stride[2];
+  }
   const Geometry& g_;
   KeyFormat keys_;
   uint64_t id_ = 0;  // unique per instance: tells a cache which call a copy is from
   bool tile_cache_ = false;
   bool k_checked_ = false, v_checked_ = false;
   std::vector<uint8_t> packed_bad_;  // per tile, when k_checked_ || v_checked_
-  const float* k_in_place_ = nullptr;
-  const float* v_in_place_ = nullptr;
+  // f32 rows read in place (or, with tile_cache_, copied per thread) ...
+  const void* k_in_place_ = nullptr;
+  const void* v_in_place_ = nullptr;
+  // ... or, with tile_cache_ only, bf16 rows widened per thread.
+  const void* k_widen_ = nullptr;
+  const void* v_widen_ = nullptr;
   const uint16_t* k_bf16_in_place_ = nullptr;
   int64_t k_stride_[3] = {0, 0, 0}, v_stride_[3] = {0, 0, 0};  // b, s, head
   int64_t ldk_ = 0, ldv_ = 0, ldk_bf16_ = 0, k_elems_ = 0, v_elems_ = 0;
