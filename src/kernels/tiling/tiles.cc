@@ -253,20 +253,30 @@ KvRows::KvRows(const FlashParams& p, const Geometry& g, KeyFormat keys, double u
   }
   if (!pack_k && !pack_v) return;
   // f32 rows of unit stride: the checking copy when asked (same result as
-  // PackRowsF32 with nr_pad = n: rows copied, columns zero padded to ld).
-  k_checked_ = checked_copy != nullptr && pack_k && !bf16_keys && k_f32;
-  v_checked_ = checked_copy != nullptr && pack_v && v_f32;
+  // PackRowsF32 with nr_pad = n: rows copied, columns zero padded to ld);
+  // bf16 rows of unit stride: the checking widening copy, asked or not
+  // (PackRowsF32 widens element by element).
+  const micro::MicroKernels& mk =
+      checked_copy != nullptr ? *checked_copy : micro::MicroKernelsFor(p.path);
+  k_checked_ = checked_copy != nullptr && pack_k && !bf16_keys && (k_f32 || k_bf16);
+  v_checked_ = checked_copy != nullptr && pack_v && (v_f32 || v_bf16);
   if (k_checked_ || v_checked_) packed_bad_.assign(static_cast<size_t>(tiles), 0);
   pool.ParallelFor(tiles, [&](int64_t t, int) {
     const int64_t kvb = t % g.nkvb, kh = (t / g.nkvb) % g.hkv, b = t / (g.nkvb * g.hkv);
     const int64_t n = g.KvRows(kvb);
-    // Rows of `src` (f32) into dst with leading dimension ld: the checking
-    // copy, or PackRowsF32.
+    // Rows of `src` into f32 dst with leading dimension ld: the (checking)
+    // copy or widening copy, or PackRowsF32.
     bool bad = false;
-    auto pack_f32 = [&](const TensorView& src, bool checked, int64_t cols, float* dst, int64_t ld) {
-      if (checked) {
-        const float* rows = static_cast<const float*>(src.data) + src.Offset(b, kvb * g.bkv, kh);
-        bad = checked_copy->copy_rows_f32(rows, src.stride[1], n, cols, dst, ld) || bad;
+    auto pack_f32 = [&](const TensorView& src, int64_t cols, float* dst, int64_t ld) {
+      const int64_t at = src.Offset(b, kvb * g.bkv, kh);
+      if (src.dtype == DType::kBF16 && src.stride[3] == 1) {
+        bad = mk.widen_rows_bf16(static_cast<const uint16_t*>(src.data) + at, src.stride[1], n,
+                                 cols, dst, ld) ||
+              bad;
+      } else if (src.dtype == DType::kF32 && src.stride[3] == 1 && checked_copy != nullptr) {
+        bad = mk.copy_rows_f32(static_cast<const float*>(src.data) + at, src.stride[1], n, cols,
+                               dst, ld) ||
+              bad;
       } else {
         PackRowsF32(Slab{&src, b, kh, kvb * g.bkv, n, cols}, dst, ld, n);
       }
@@ -274,9 +284,9 @@ KvRows::KvRows(const FlashParams& p, const Geometry& g, KeyFormat keys, double u
     if (pack_k && bf16_keys) {
       PackRowsBf16(Slab{&k, b, kh, kvb * g.bkv, n, g.d}, k_bf16_.data() + t * k_elems_, d2);
     } else if (pack_k) {
-      pack_f32(k, k_checked_, g.d, k_packed_.data() + t * k_elems_, g.ld_d);
+      pack_f32(k, g.d, k_packed_.data() + t * k_elems_, g.ld_d);
     }
-    if (pack_v) pack_f32(v, v_checked_, g.dv, v_packed_.data() + t * v_elems_, g.ld_dv);
+    if (pack_v) pack_f32(v, g.dv, v_packed_.data() + t * v_elems_, g.ld_dv);
     if (bad) packed_bad_[static_cast<size_t>(t)] = 1;
   });
 }
@@ -386,7 +396,12 @@ bool PackTransposed(const micro::MicroKernels& mk, const TensorView& t, int64_t 
     // measurements": widening before the transpose).
     thread_local AlignedBuffer<float> rows_f32;
     Grow(rows_f32, rows * cols);
-    PackRowsF32(Slab{&t, b, head, r0, rows, cols}, rows_f32.data(), cols, rows);
+    if (t.dtype == DType::kBF16 && t.stride[3] == 1) {
+      const auto* first = static_cast<const uint16_t*>(t.data) + t.Offset(b, r0, head, 0);
+      mk.widen_rows_bf16(first, t.stride[1], rows, cols, rows_f32.data(), cols);
+    } else {
+      PackRowsF32(Slab{&t, b, head, r0, rows, cols}, rows_f32.data(), cols, rows);
+    }
     return mk.transpose_f32(rows, cols, rows_f32.data(), cols, dst, ld);
   }
 }

@@ -122,9 +122,10 @@ class TileMask {
 // copied, bf16 rows widened — unless they can be read in place as they are
 // (f32 rows back to back, nothing to pad): tile_cache() says so, and the
 // loops must then read K and V only through a KvTileCache.
-// With `checked_copy`, f32 rows of unit inner stride packed per call are
-// copied by its copy_rows_f32, which also notes whether a tile's rows hold a
-// NaN or an infinity: NonFinite then needs no second read of those rows.
+// With `checked_copy`, f32 (bf16) rows of unit inner stride packed per call
+// are copied by its copy_rows_f32 (widened by its widen_rows_bf16), which
+// also notes whether a tile's rows hold a NaN or an infinity: NonFinite then
+// needs no second read of those rows.
 // kBf16Tiles (the bf16 P V of the avx512_bf16 and amx paths): bf16 keys
 // as for kBf16, but read in place where the tensor allows (unit inner
 // stride, even row stride and D: the bf16 GEMM's A operand takes any even
