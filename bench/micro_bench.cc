@@ -574,7 +574,7 @@ BENCHMARK(BM_GemmScores)->Apply(TileArgsOf);
 BENCHMARK(BM_DecodeStep)
     ->ArgsProduct({{static_cast<int64_t>(KernelPath::kAvx512),
                     static_cast<int64_t>(KernelPath::kAvx2)},
-                   {1, 8},
+                   {1, 4, 8},
                    {0, 1},
                    {256}})
     ->ArgNames({"path", "group", "bf16", "keys"});

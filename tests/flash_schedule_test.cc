@@ -469,7 +469,8 @@ TEST(FlashTest, HeadsTogetherMatchReferenceOnAnyThreadCount) {
 // counts that are no multiple of 16 (its key tail), GQA and MQA (no longer
 // stacked), several rows per head that see different keys of a partial
 // tile (the last query sits 5 keys before the end of the cache), per-head
-// masks (one head sees no key at all: out 0, lse -inf), packed documents, a
+// masks (one head sees no key at all: out 0, lse -inf), packed documents,
+// bf16 rows read as word pairs (D and Dv multiples of 32, AVX-512), a
 // soft cap over large logits, [B, H, S, D] views, one head; and calls with
 // more rows per kv head, which keep the tile loop. On every path and dtype
 // against the reference within kF32Tol — the decoding kernel never rounds
@@ -505,6 +506,11 @@ TEST(FlashTest, DecodingStepsMatchReferenceOnAnyThreadCount) {
       {{1, 5, 150, 2, 2, 16, 24}, Mask::Causal(), true},
       {{1, 1, 150, 6, 1, 16, 16}, Mask::Causal() & Mask::Local(40, 0), true},
       {{1, 7, 130, 1, 1, 8, 40}, Mask::Causal(), true},
+      // bf16 rows as word pairs on AVX-512 (D and Dv multiples of 32): Dv of
+      // 3 x 32 columns (two-vector and one-vector column steps), 4 heads
+      // per kv head; 8 entries (2 rows x 4 heads) sharing rows.
+      {{1, 1, 260, 8, 2, 128, 96}, Mask::Causal() & Mask::Local(100, 0), true},
+      {{1, 2, 200, 4, 1, 96, 32}, Mask::Causal(), true, 10.0f},
       // More rows per kv head than the kernel takes at once, or than a q block.
       {{1, 1, 150, 12, 1, 16, 16}, Mask::Causal(), false},
       {{1, 3, 150, 8, 2, 16, 16}, Mask::Causal(), false},

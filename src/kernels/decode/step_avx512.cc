@@ -26,6 +26,7 @@
 #include <cmath>
 #include <cstdint>
 #include <type_traits>
+#include <vector>
 
 #include "src/kernels/decode/step_loop.h"
 #include "src/kernels/micro/blocking.h"
@@ -184,16 +185,168 @@ RINGSPLASH_INLINE void AddRows(const DecodeHead* h, const float (&p)[kMaxShare][
   }
 }
 
+// bf16 rows in pair order (DecodeStep with d and dv multiples of 32): the
+// 32 columns of a row from c0 load as one vector of 16 32-bit words whose
+// low halves are the even columns c0, c0 + 2, ... and high halves the odd
+// ones, widened by one shift and one AND — half the loads and widening
+// work of two 16-column loads, which bound a bf16 GQA step (several heads'
+// arithmetic per byte read). q and acc are held in the same order for the
+// call: per 32 columns, the 16 even ones, then the 16 odd ones.
+RINGSPLASH_INLINE void SplitPairs(__m512i words, __m512& even, __m512& odd) {
+  even = _mm512_castsi512_ps(_mm512_slli_epi32(words, 16));
+  odd = _mm512_castsi512_ps(_mm512_and_si512(words, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+
+// y = x[0, n) in pair order (n a multiple of 32).
+void ToPairOrder(const float* x, int64_t n, float* y) {
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+  for (int64_t c = 0; c < n; c += 32) {
+    const __m512 lo = _mm512_loadu_ps(x + c), hi = _mm512_loadu_ps(x + c + 16);
+    _mm512_storeu_ps(y + c, _mm512_permutex2var_ps(lo, even, hi));
+    _mm512_storeu_ps(y + c + 16, _mm512_permutex2var_ps(lo, odd, hi));
+  }
+}
+
+// x[0, n) = y back from pair order.
+void FromPairOrder(const float* y, int64_t n, float* x) {
+  const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+  const __m512i hi = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+  for (int64_t c = 0; c < n; c += 32) {
+    const __m512 even = _mm512_loadu_ps(y + c), odd = _mm512_loadu_ps(y + c + 16);
+    _mm512_storeu_ps(x + c, _mm512_permutex2var_ps(even, lo, odd));
+    _mm512_storeu_ps(x + c + 16, _mm512_permutex2var_ps(even, hi, odd));
+  }
+}
+
+// Dots on bf16 K rows and q in pair order (d a multiple of 32): the same
+// sums over other partial orders.
+template <int G>
+RINGSPLASH_INLINE void DotsPairs(const DecodeHead* h, const uint16_t* k, int64_t ldk, int64_t d,
+                                 int rows, float* part, __m512 (&x)[G]) {
+  constexpr int kTokens = G <= 2 ? 8 : (G <= 4 ? 4 : 2);  // divides 16
+  for (int j0 = 0; j0 < rows; j0 += kTokens) {
+    const uint16_t* row[kTokens];
+    __mmask16 present[kTokens];  // tokens past `rows` are not read
+    RINGSPLASH_UNROLL
+    for (int t = 0; t < kTokens; ++t) {
+      row[t] = k + std::min(j0 + t, rows - 1) * ldk;
+      present[t] = j0 + t < rows ? static_cast<__mmask16>(0xffff) : 0;
+      if constexpr (G >= 2) {
+        if (j0 + t < rows) PrefetchRow(row[t], kPrefetchKeys * ldk * 2, d * 2);
+      }
+    }
+    __m512 acc[G][kTokens];
+    RINGSPLASH_UNROLL
+    for (int i = 0; i < G; ++i) {
+      RINGSPLASH_UNROLL
+      for (int t = 0; t < kTokens; ++t) acc[i][t] = _mm512_setzero_ps();
+    }
+    for (int64_t c = 0; c < d; c += 32) {
+      __m512 even[kTokens], odd[kTokens];
+      RINGSPLASH_UNROLL
+      for (int t = 0; t < kTokens; ++t) {
+        SplitPairs(_mm512_maskz_loadu_epi32(present[t], row[t] + c), even[t], odd[t]);
+      }
+      RINGSPLASH_UNROLL
+      for (int i = 0; i < G; ++i) {
+        const __m512 qe = _mm512_loadu_ps(h[i].q + c), qo = _mm512_loadu_ps(h[i].q + c + 16);
+        RINGSPLASH_UNROLL
+        for (int t = 0; t < kTokens; ++t) {
+          acc[i][t] = _mm512_fmadd_ps(qo, odd[t], _mm512_fmadd_ps(qe, even[t], acc[i][t]));
+        }
+      }
+    }
+    RINGSPLASH_UNROLL
+    for (int i = 0; i < G; ++i) {
+      RINGSPLASH_UNROLL
+      for (int t = 0; t < kTokens; ++t) {
+        _mm512_store_ps(part + (i * 16 + j0 + t) * 16, acc[i][t]);
+      }
+    }
+  }
+  RINGSPLASH_UNROLL
+  for (int i = 0; i < G; ++i) {
+    __m512 r[16];
+    RINGSPLASH_UNROLL
+    for (int j = 0; j < 16; ++j) {
+      r[j] = j < rows ? _mm512_load_ps(part + (i * 16 + j) * 16) : _mm512_setzero_ps();
+    }
+    Transpose16(r);
+    RINGSPLASH_UNROLL
+    for (int s = 8; s >= 1; s /= 2) {
+      RINGSPLASH_UNROLL
+      for (int c = 0; c < s; ++c) r[c] = _mm512_add_ps(r[c], r[c + s]);
+    }
+    x[i] = r[0];
+  }
+}
+
+// AddRows on bf16 V rows with acc in pair order: columns [c0, c0 + 32 NW).
+template <int G, int NW>
+RINGSPLASH_INLINE void AddRowsPairsAt(const DecodeHead* h, const float (&p)[kMaxShare][16],
+                                      const float (&alpha)[kMaxShare], const uint16_t* v,
+                                      int64_t ldv, int64_t dv, int rows, int64_t c0) {
+  __m512 a[G][2 * NW];
+  RINGSPLASH_UNROLL
+  for (int i = 0; i < G; ++i) {
+    const __m512 va = _mm512_set1_ps(alpha[i]);
+    RINGSPLASH_UNROLL
+    for (int u = 0; u < 2 * NW; ++u) {
+      a[i][u] = _mm512_mul_ps(_mm512_loadu_ps(h[i].acc + c0 + 16 * u), va);
+    }
+  }
+  for (int j = 0; j < rows; ++j) {
+    const uint16_t* row = v + j * ldv + c0;
+    if constexpr (G >= 2) {
+      if (c0 == 0) PrefetchRow(row, kPrefetchKeys * ldv * 2, dv * 2);
+    }
+    __m512 vv[2 * NW];
+    RINGSPLASH_UNROLL
+    for (int u = 0; u < NW; ++u) {
+      SplitPairs(_mm512_loadu_si512(row + 32 * u), vv[2 * u], vv[2 * u + 1]);
+    }
+    RINGSPLASH_UNROLL
+    for (int i = 0; i < G; ++i) {
+      const __m512 pj = _mm512_set1_ps(p[i][j]);
+      RINGSPLASH_UNROLL
+      for (int u = 0; u < 2 * NW; ++u) a[i][u] = _mm512_fmadd_ps(pj, vv[u], a[i][u]);
+    }
+  }
+  RINGSPLASH_UNROLL
+  for (int i = 0; i < G; ++i) {
+    RINGSPLASH_UNROLL
+    for (int u = 0; u < 2 * NW; ++u) _mm512_storeu_ps(h[i].acc + c0 + 16 * u, a[i][u]);
+  }
+}
+
+template <int G>
+RINGSPLASH_INLINE void AddRowsPairs(const DecodeHead* h, const float (&p)[kMaxShare][16],
+                                    const float (&alpha)[kMaxShare], const uint16_t* v,
+                                    int64_t ldv, int64_t dv, int rows) {
+  constexpr int NW = G <= 4 ? 2 : 1;  // as AddRows: 2 NW vectors per head in registers
+  int64_t c0 = 0;
+  for (; c0 + 32 * NW <= dv; c0 += 32 * NW) AddRowsPairsAt<G, NW>(h, p, alpha, v, ldv, dv, rows, c0);
+  if constexpr (NW > 1) {
+    if (c0 < dv) AddRowsPairsAt<G, 1>(h, p, alpha, v, ldv, dv, rows, c0);
+  }
+}
+
 // One chunk (keys [j0, j0 + rows)) of G heads sharing their K and V rows;
 // returns whether a logit was not finite.
-template <int G, typename T, bool kCapped>
+// kPairs: bf16 rows, q and acc in pair order (DotsPairs, AddRowsPairs).
+template <int G, typename T, bool kCapped, bool kPairs>
 bool Chunk(const DecodeArgs& a, const DecodeHead* h, int64_t j0, int rows) {
   const T* k = static_cast<const T*>(h[0].k) + j0 * a.ldk;
   const T* v = static_cast<const T*>(h[0].v) + j0 * a.ldv;
   const __mmask16 live = LaneMask(rows);
   alignas(64) float part[G * 16 * 16];
   __m512 x[G];
-  Dots<G>(h, k, a.ldk, a.d, rows, part, x);
+  if constexpr (kPairs) {
+    DotsPairs<G>(h, k, a.ldk, a.d, rows, part, x);
+  } else {
+    Dots<G>(h, k, a.ldk, a.d, rows, part, x);
+  }
   alignas(64) float p[kMaxShare][16];
   float alpha[kMaxShare];
   bool bad = false;
@@ -221,22 +374,54 @@ bool Chunk(const DecodeArgs& a, const DecodeHead* h, int64_t j0, int rows) {
     *h[i].row_max = m_new;
     _mm512_store_ps(p[i], pi);
   }
-  AddRows<G>(h, p, alpha, v, a.ldv, a.dv, rows);
+  if constexpr (kPairs) {
+    AddRowsPairs<G>(h, p, alpha, v, a.ldv, a.dv, rows);
+  } else {
+    AddRows<G>(h, p, alpha, v, a.ldv, a.dv, rows);
+  }
   return bad;
 }
 
-template <typename T, bool kCapped>
+template <typename T, bool kCapped, bool kPairs = false>
 bool Step(const DecodeArgs& a) {
   return ForEachChunk<16>(
       a, [&a](auto g, const DecodeHead* h, int64_t j0, int rows) RINGSPLASH_INLINE_LAMBDA {
-        return Chunk<decltype(g)::value, T, kCapped>(a, h, j0, rows);
+        return Chunk<decltype(g)::value, T, kCapped, kPairs>(a, h, j0, rows);
       });
+}
+
+// Step on bf16 rows in pair order: every entry's q and acc reordered into
+// per-thread copies for the call (a few hundred floats per entry against
+// its pass over the call's K and V rows), and acc back after it.
+template <bool kCapped>
+bool StepPairs(const DecodeArgs& a) {
+  thread_local std::vector<DecodeHead> heads;
+  thread_local std::vector<float> q, acc;
+  const auto n = static_cast<size_t>(a.heads);
+  heads.assign(a.head, a.head + a.heads);
+  q.resize(n * static_cast<size_t>(a.d));
+  acc.resize(n * static_cast<size_t>(a.dv));
+  for (size_t i = 0; i < n; ++i) {
+    float* qi = q.data() + i * static_cast<size_t>(a.d);
+    ToPairOrder(a.head[i].q, a.d, qi);
+    heads[i].q = qi;
+    heads[i].acc = acc.data() + i * static_cast<size_t>(a.dv);
+    ToPairOrder(a.head[i].acc, a.dv, heads[i].acc);
+  }
+  DecodeArgs pairs = a;
+  pairs.head = heads.data();
+  const bool bad = Step<uint16_t, kCapped, true>(pairs);
+  for (size_t i = 0; i < n; ++i) FromPairOrder(heads[i].acc, a.dv, a.head[i].acc);
+  return bad;
 }
 
 }  // namespace
 
 bool DecodeStep(const DecodeArgs& a) {
   const bool capped = a.softcap > 0.0f;
+  if (a.bf16 && a.d % 32 == 0 && a.dv % 32 == 0) {
+    return capped ? StepPairs<true>(a) : StepPairs<false>(a);
+  }
   if (a.bf16) return capped ? Step<uint16_t, true>(a) : Step<uint16_t, false>(a);
   return capped ? Step<float, true>(a) : Step<float, false>(a);
 }
