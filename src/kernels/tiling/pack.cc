@@ -2,12 +2,36 @@
 // O(tile) once per tile and call, small next to the O(tile * D) products.
 #include "src/kernels/tiling/pack.h"
 
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
+
 #include <algorithm>
 #include <bit>
 #include <cstring>
+#include <new>
 #include <vector>
 
 namespace ringsplash::kernels {
+
+namespace {
+constexpr size_t kHugePage = size_t{2} << 20;
+}  // namespace
+
+void* AllocateBufferMemory(size_t bytes) {
+  if (bytes < kHugeBytes) return ::operator new (bytes, std::align_val_t{64});
+  void* p = ::operator new (bytes, std::align_val_t{kHugePage});
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  // Advice only: where THP is off (or the kernel refuses), 4 KiB pages.
+  madvise(p, bytes, MADV_HUGEPAGE);
+#endif
+  return p;
+}
+
+void ReleaseBufferMemory(void* p, size_t bytes) {
+  ::operator delete (p, std::align_val_t{bytes < kHugeBytes ? 64 : kHugePage});
+}
+
 namespace {
 
 // Reads row r of a slab into f32 (nc values).

@@ -35,6 +35,16 @@ void PackTransposedBf16Pairs(const Slab& s, uint16_t* dst, int64_t ld);
 // B(r, c) for r < nr_pad (even), c < ld; zero padded.
 void PackRowsBf16Pairs(const Slab& s, uint16_t* dst, int64_t ld, int64_t nr_pad);
 
+// Memory for an AlignedBuffer of `bytes` bytes: 64-byte aligned; from
+// kHugeBytes on, 2 MiB aligned and (Linux) marked for transparent huge
+// pages, so a per-call copy of K and V or the backward's packed q side
+// faults in 2 MiB at a time instead of 4 KiB — those page faults were 3-4 %
+// of a full-mask backward and of a bf16 forward (docs/perf/PHASES.md).
+// ReleaseBufferMemory takes the same `bytes`.
+inline constexpr size_t kHugeBytes = size_t{4} << 20;
+void* AllocateBufferMemory(size_t bytes);
+void ReleaseBufferMemory(void* p, size_t bytes);
+
 // A 64-byte aligned array (scratch tiles, packed operands), zero-initialised
 // unless asked otherwise.
 template <typename T>
@@ -65,7 +75,7 @@ class AlignedBuffer {
   void Resize(size_t n, bool zero = true) {
     Free();
     if (n == 0) return;
-    data_ = static_cast<T*>(::operator new (n * sizeof(T), std::align_val_t{64}));
+    data_ = static_cast<T*>(AllocateBufferMemory(n * sizeof(T)));
     size_ = n;
     if (zero) {
       for (size_t i = 0; i < n; ++i) data_[i] = T{};
@@ -77,7 +87,7 @@ class AlignedBuffer {
 
  private:
   void Free() {
-    if (data_ != nullptr) ::operator delete (data_, std::align_val_t{64});
+    if (data_ != nullptr) ReleaseBufferMemory(data_, size_ * sizeof(T));
     data_ = nullptr;
     size_ = 0;
   }
