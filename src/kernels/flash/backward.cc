@@ -338,9 +338,11 @@ BlockKind TileProbs(const Context& c, const QTile& qs, const KvTile& kvt, BlockK
   return kind;
 }
 
-// dV += P^T dO and dK += dS^T Q for the tile in ws (rows = its keys).
+// dV += P^T dO and dK += dS^T Q for the tile in ws (rows = its keys); with
+// accumulate = false, dV = P^T dO and dK = dS^T Q (a tile's first sum: no
+// zeroed tile to read).
 void AccumulateKv(const Context& c, const QTile& qs, int64_t qb, int64_t kvb, float* dk, float* dv,
-                  const Workspace& ws) {
+                  const Workspace& ws, bool accumulate) {
   const Geometry& g = c.g;
   const int64_t m = g.QRows(qb), n = g.KvRows(kvb);
   if (c.tile_products) {
@@ -348,26 +350,30 @@ void AccumulateKv(const Context& c, const QTile& qs, int64_t qb, int64_t kvb, fl
     // of Q / dO (zero beyond m on both sides).
     const int64_t k2 = RoundUp(m, micro::kVec) / 2;
     c.mk.gemm_bf16(n, g.dvp, k2, ws.pt_bf16.data(), g.ld_q, qs.do_pairs, g.ld_dv, dv, g.ld_dv,
-                   nullptr, true);
+                   nullptr, accumulate);
     c.mk.gemm_bf16(n, g.dp, k2, ws.ds_bf16.data(), g.ld_q, qs.q_pairs, g.ld_d, dk, g.ld_d, nullptr,
-                   true);
+                   accumulate);
     return;
   }
-  c.mk.gemm_f32(n, g.dvp, m, ws.pt.data(), g.ld_q, 1, qs.dout, g.ld_dv, dv, g.ld_dv, nullptr, true);
-  c.mk.gemm_f32(n, g.dp, m, ws.ds.data(), g.ld_q, 1, qs.q, g.ld_d, dk, g.ld_d, nullptr, true);
+  c.mk.gemm_f32(n, g.dvp, m, ws.pt.data(), g.ld_q, 1, qs.dout, g.ld_dv, dv, g.ld_dv, nullptr,
+                accumulate);
+  c.mk.gemm_f32(n, g.dp, m, ws.ds.data(), g.ld_q, 1, qs.q, g.ld_d, dk, g.ld_d, nullptr,
+                accumulate);
 }
 
-// dQ += dS K for the tile in ws (rows = its queries; K's pairs in slot `slot`).
+// dQ += dS K for the tile in ws (rows = its queries; K's pairs in slot
+// `slot`); with accumulate = false, dQ = dS K.
 void AccumulateQ(const Context& c, const KvTile& kvt, int64_t qb, int64_t kvb, int64_t slot,
-                 float* dq, const Workspace& ws) {
+                 float* dq, const Workspace& ws, bool accumulate) {
   const Geometry& g = c.g;
   if (c.tile_products) {
     c.mk.gemm_bf16(g.QRows(qb), g.dp, RoundUp(g.KvRows(kvb), 2) / 2, ws.dsq_bf16.data(),
-                   RoundUp(g.bkv, 32), ws.k_pairs[slot].data(), g.ld_d, dq, g.ld_d, nullptr, true);
+                   RoundUp(g.bkv, 32), ws.k_pairs[slot].data(), g.ld_d, dq, g.ld_d, nullptr,
+                   accumulate);
     return;
   }
   c.mk.gemm_f32(g.QRows(qb), g.dp, g.KvRows(kvb), ws.ds.data(), 1, g.ld_q, kvt.k, kvt.ldk, dq,
-                g.ld_d, nullptr, true);
+                g.ld_d, nullptr, accumulate);
 }
 
 void CountTile(BlockKind kind, const Geometry& g, int64_t m, int64_t n, WorkerStats& st) {
@@ -397,7 +403,10 @@ void AddQTile(const Geometry& g, int64_t b, int64_t h, int64_t qb, const float* 
 
 // dK/dV of the nk <= kKvGroup kv tiles (b, kh, kvb0 + i) over the query
 // heads of `part` (per_part heads) and every q block of the column map, into
-// dk[i] [bkv][ld_d] and dv[i] [bkv][ld_dv] (zeroed first); `on_tile(h, qb,
+// dk[i] [bkv][ld_d] and dv[i] [bkv][ld_dv] (written by their first computed
+// tile, zeroed at the end if none was; no pass over memory to zero every
+// tile first: a sliding window's backward spent 3 % of its time in that
+// memset, docs/perf/PHASES.md); `on_tile(h, qb,
 // kvb, slot, kind, kv tile)` runs after each computed tile (the one-pass
 // schedule adds its dQ there). Each q tile is fetched once and computed
 // against every tile of the group that needs it, in kv order; a kv tile
@@ -412,10 +421,9 @@ void KvBlocks(const Context& c, const TilePlan& cols, int64_t b, int64_t kh, int
               WorkerStats& st, float* const* dk, float* const* dv, OnTile&& on_tile) {
   const Geometry& g = c.g;
   KvTile kvt[kKvGroup];
+  bool written[kKvGroup] = {};
   for (int64_t i = 0; i < nk; ++i) {
-    const int64_t kvb = kvb0 + i, n = g.KvRows(kvb);
-    std::memset(dk[i], 0, static_cast<size_t>(n * g.ld_d) * sizeof(float));
-    std::memset(dv[i], 0, static_cast<size_t>(n * g.ld_dv) * sizeof(float));
+    const int64_t kvb = kvb0 + i;
     kvt[i] = ws.kv_cache.Get(c.kv, c.mk, b, kh, kvb);
     if (!kv_ready) KvToBf16(c, b, kh, kvb, uses, ws, i);
   }
@@ -448,7 +456,8 @@ void KvBlocks(const Context& c, const TilePlan& cols, int64_t b, int64_t kh, int
           const int64_t kvb = kvb0 + i;
           const BlockKind kind = TileProbs(c, qs, kvt[i], r[a].kind, b, h, qb, kvb, ws, uses, i);
           if (kind != BlockKind::kEmpty) {
-            AccumulateKv(c, qs, qb, kvb, dk[i], dv[i], ws);
+            AccumulateKv(c, qs, qb, kvb, dk[i], dv[i], ws, /*accumulate=*/written[i]);
+            written[i] = true;
             on_tile(h, qb, kvb, i, kind, kvt[i]);
             ++computed;
           }
@@ -457,6 +466,12 @@ void KvBlocks(const Context& c, const TilePlan& cols, int64_t b, int64_t kh, int
       }
       qb = next;
     }
+  }
+  for (int64_t i = 0; i < nk; ++i) {
+    if (written[i]) continue;
+    const int64_t n = g.KvRows(kvb0 + i);
+    std::memset(dk[i], 0, static_cast<size_t>(n * g.ld_d) * sizeof(float));
+    std::memset(dv[i], 0, static_cast<size_t>(n * g.ld_dv) * sizeof(float));
   }
   st.skipped += nk * per_part * g.nqb - computed;
 }
@@ -487,6 +502,7 @@ void FlashBackward(const FlashParams& p, ThreadPool& pool, const TensorView& dou
     // dQ tiles of the task's heads: [per_part][nqb][bq][ld_d], one per worker.
     const int64_t dq_elems = per_part * g.nqb * g.bq * g.ld_d;
     std::vector<AlignedBuffer<float>> dq(static_cast<size_t>(pool.size()));
+    std::vector<std::vector<char>> dq_seen(static_cast<size_t>(pool.size()));
     // dK/dV tiles of parts 1 .. parts-1 per (b, kh): [nkvb][bkv][ld_d] and
     // [nkvb][bkv][ld_dv] each (part 0 adds its tiles to the accumulators).
     // One worker runs the tasks in order, parts of a (b, kh) one after the
@@ -507,15 +523,14 @@ void FlashBackward(const FlashParams& p, ThreadPool& pool, const TensorView& dou
       Workspace& ws = Workspace::ForThisThread(g, capped, tile_products);
       WorkerStats& st = wstats[static_cast<size_t>(worker)];
       AlignedBuffer<float>& dqs = dq[static_cast<size_t>(worker)];
-      if (dqs.size() == 0) {
-        dqs.Resize(static_cast<size_t>(dq_elems));
-      } else {
-        std::memset(dqs.data(), 0, dqs.size() * sizeof(float));
-      }
+      if (dqs.size() == 0) dqs.Resize(static_cast<size_t>(dq_elems), /*zero=*/false);
+      // dQ tiles are written by their first computed tile (no zeroing pass)
+      // and only written ones are added to dq_acc.
+      std::vector<char>& dq_written = dq_seen[static_cast<size_t>(worker)];
+      dq_written.assign(static_cast<size_t>(per_part * g.nqb), 0);
       const int64_t h0 = kh * g.group + part * per_part;
-      auto dq_tile = [&](int64_t h, int64_t qb) {
-        return dqs.data() + ((h - h0) * g.nqb + qb) * g.bq * g.ld_d;
-      };
+      auto dq_at = [&](int64_t h, int64_t qb) { return (h - h0) * g.nqb + qb; };
+      auto dq_tile = [&](int64_t h, int64_t qb) { return dqs.data() + dq_at(h, qb) * g.bq * g.ld_d; };
       const bool direct = part == 0 || in_order;
       for (int64_t kvb0 = 0; kvb0 < g.nkvb; kvb0 += group) {
         const int64_t nk = std::min(group, g.nkvb - kvb0);
@@ -529,7 +544,9 @@ void FlashBackward(const FlashParams& p, ThreadPool& pool, const TensorView& dou
                  dk, dv,
                  [&](int64_t h, int64_t qb, int64_t kvb, int64_t slot, BlockKind kind,
                      const KvTile& kvt) {
-                   AccumulateQ(c, kvt, qb, kvb, slot, dq_tile(h, qb), ws);
+                   char& seen = dq_written[static_cast<size_t>(dq_at(h, qb))];
+                   AccumulateQ(c, kvt, qb, kvb, slot, dq_tile(h, qb), ws, /*accumulate=*/seen != 0);
+                   seen = 1;
                    CountTile(kind, g, g.QRows(qb), g.KvRows(kvb), st);
                  });
         if (!direct) continue;
@@ -537,7 +554,11 @@ void FlashBackward(const FlashParams& p, ThreadPool& pool, const TensorView& dou
           AddKvTile(g, b, kh, kvb0 + i, dk[i], dv[i], dk_acc, dv_acc);
       }
       for (int64_t h = h0; h < h0 + per_part; ++h) {
-        for (int64_t qb = 0; qb < g.nqb; ++qb) AddQTile(g, b, h, qb, dq_tile(h, qb), dq_acc);
+        for (int64_t qb = 0; qb < g.nqb; ++qb) {
+          if (dq_written[static_cast<size_t>(dq_at(h, qb))] != 0) {
+            AddQTile(g, b, h, qb, dq_tile(h, qb), dq_acc);
+          }
+        }
       }
     });
     if (parts > 1 && !in_order) {
@@ -583,7 +604,7 @@ void FlashBackward(const FlashParams& p, ThreadPool& pool, const TensorView& dou
       Workspace& ws = Workspace::ForThisThread(g, capped, tile_products);
       WorkerStats& st = wstats[static_cast<size_t>(worker)];
       float* dq = ws.dq.data();
-      std::memset(dq, 0, static_cast<size_t>(g.QRows(qb) * g.ld_d) * sizeof(float));
+      bool written = false;
       const QTile qs = c.qs.Get(b, h, qb, ws.q_copies);
       for (const mask::BlockRun& run : rows.map().Runs(h, qb)) {
         for (int64_t kvb = run.begin; kvb < run.end; ++kvb) {
@@ -592,11 +613,12 @@ void FlashBackward(const FlashParams& p, ThreadPool& pool, const TensorView& dou
                         /*convert_kv=*/true) == BlockKind::kEmpty) {
             continue;
           }
-          AccumulateQ(c, kvt, qb, kvb, /*slot=*/0, dq, ws);
+          AccumulateQ(c, kvt, qb, kvb, /*slot=*/0, dq, ws, /*accumulate=*/written);
+          written = true;
           st.flops += 2 * g.QRows(qb) * g.KvRows(kvb) * (2 * g.d + g.dv);
         }
       }
-      AddQTile(g, b, h, qb, dq, dq_acc);
+      if (written) AddQTile(g, b, h, qb, dq, dq_acc);
     });
   }
   AddStats(wstats, stats);
