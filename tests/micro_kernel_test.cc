@@ -383,33 +383,36 @@ TEST(MicroKernelTest, WidenRowsBf16IsExactPadsAndFindsNonFinite) {
     const kernels::micro::MicroKernels& mk = kernels::micro::MicroKernelsFor(path);
     for (int64_t rows : {1, 7, 20}) {
       for (int64_t cols : {1, 8, 16, 37, 128}) {
-        const int64_t lds = 3 * cols + 5, ldd = RoundUpTo16(cols) + 16;
-        const std::vector<float> src = RowsWithNaNTail(rng, rows, cols, lds);
-        for (int poison = 0; poison < 4; ++poison) {  // none, NaN, +inf, -inf
-          const std::vector<float> f =
-              Poisoned(src, lds, poison, (poison * 5) % rows, cols - 1 - (poison * 3) % cols);
-          std::vector<uint16_t> s(f.size());
-          for (size_t i = 0; i < f.size(); ++i) {
-            uint32_t bits;
-            std::memcpy(&bits, &f[i], sizeof bits);
-            s[i] = static_cast<uint16_t>(bits >> 16);  // truncation keeps NaN and inf
-          }
-          std::vector<float> dst(static_cast<size_t>(rows * ldd + 16), 7.0f);
-          const bool bad = mk.widen_rows_bf16(s.data(), lds, rows, cols, dst.data(), ldd);
-          EXPECT_EQ(bad, poison > 0)
-              << KernelPathName(path) << " rows " << rows << " cols " << cols;
-          for (int64_t r = 0; r < rows; ++r) {
-            for (int64_t c = 0; c < cols; ++c) {
-              uint32_t got;
-              std::memcpy(&got, &dst[static_cast<size_t>(r * ldd + c)], sizeof got);
-              ASSERT_EQ(got, static_cast<uint32_t>(s[static_cast<size_t>(r * lds + c)]) << 16)
-                  << KernelPathName(path) << " r" << r << " c" << c;
+        // ldd: rows back to back (the Q^T pack's), a partial last vector, padding.
+        for (int64_t ldd : {cols, cols + 3, RoundUpTo16(cols) + 16}) {
+          const int64_t lds = 3 * cols + 5;
+          const std::vector<float> src = RowsWithNaNTail(rng, rows, cols, lds);
+          for (int poison = 0; poison < 4; ++poison) {  // none, NaN, +inf, -inf
+            const std::vector<float> f =
+                Poisoned(src, lds, poison, (poison * 5) % rows, cols - 1 - (poison * 3) % cols);
+            std::vector<uint16_t> s(f.size());
+            for (size_t i = 0; i < f.size(); ++i) {
+              uint32_t bits;
+              std::memcpy(&bits, &f[i], sizeof bits);
+              s[i] = static_cast<uint16_t>(bits >> 16);  // truncation keeps NaN and inf
             }
-            for (int64_t c = cols; c < ldd; ++c) {
-              EXPECT_EQ(dst[static_cast<size_t>(r * ldd + c)], 0.0f);
+            std::vector<float> dst(static_cast<size_t>(rows * ldd + 16), 7.0f);
+            const bool bad = mk.widen_rows_bf16(s.data(), lds, rows, cols, dst.data(), ldd);
+            EXPECT_EQ(bad, poison > 0)
+                << KernelPathName(path) << " rows " << rows << " cols " << cols;
+            for (int64_t r = 0; r < rows; ++r) {
+              for (int64_t c = 0; c < cols; ++c) {
+                uint32_t got;
+                std::memcpy(&got, &dst[static_cast<size_t>(r * ldd + c)], sizeof got);
+                ASSERT_EQ(got, static_cast<uint32_t>(s[static_cast<size_t>(r * lds + c)]) << 16)
+                    << KernelPathName(path) << " r" << r << " c" << c;
+              }
+              for (int64_t c = cols; c < ldd; ++c) {
+                EXPECT_EQ(dst[static_cast<size_t>(r * ldd + c)], 0.0f);
+              }
             }
+            EXPECT_EQ(dst[static_cast<size_t>(rows * ldd)], 7.0f);  // nothing beyond the rows
           }
-          EXPECT_EQ(dst[static_cast<size_t>(rows * ldd)], 7.0f);  // nothing beyond the rows
         }
       }
     }

@@ -304,15 +304,22 @@ TEST(NumericsPoison, StackedAndSplitDecodingSteps) {
         spec.dtype = dtype;
         StackedOrTogetherDecodingStep(spec);
       }
+      // D = Dv = 32: the AVX-512 step reads bf16 rows as word pairs.
+      ProblemSpec pairs(1, sq, 400, 4, hkv, 32, 32);
+      pairs.dtype = DType::kBF16;
+      StackedOrTogetherDecodingStep(pairs);
     }
   }
 }
 
 // 16-bit inputs reach the forward's NaN/Inf check along other roads: widened
-// to f32 before the Q^T transpose (which flags them) on the f32 kernel paths,
-// read as bf16 pairs and checked separately on avx512_bf16. NaN and inf stay
-// what they are in bf16 and f16, so the same rows must come out non-finite.
-TEST(NumericsPoison, DependentForwardRowsAreNonFiniteWith16BitInputs) {
+// to f32 before the Q^T transpose (which flags them) and as K/V tiles are
+// copied or packed on the f32 kernel paths, read as bf16 pairs and checked
+// separately on avx512_bf16. NaN and inf stay what
+// they are in bf16 and f16, so the same rows must come out non-finite — and
+// only those: a check that missed a value would leave it in a product,
+// where it reaches rows that do not depend on it.
+TEST(NumericsPoison, ForwardPoisonRuleWith16BitInputs) {
   for (const PoisonCase& c : PoisonCases()) {
     Tensor dout;
     const OwnedInputs f32 = PoisonProblem(c, &dout);
@@ -325,9 +332,11 @@ TEST(NumericsPoison, DependentForwardRowsAreNonFiniteWith16BitInputs) {
         opt.block_sizes = {16, 32};
         opt.num_threads = 2;
         const ApiResult api = RunAttention(in, opt, nullptr);
-        ExpectPoisonRule(in, opt, dout, api,
-                         c.name + ", " + DTypeName(dtype) + ", path " + KernelPathName(path),
-                         PoisonCheck::kPropagation, Outputs::kForward);
+        for (const PoisonCheck check : {PoisonCheck::kConfinement, PoisonCheck::kPropagation}) {
+          ExpectPoisonRule(in, opt, dout, api,
+                           c.name + ", " + DTypeName(dtype) + ", path " + KernelPathName(path),
+                           check, Outputs::kForward, RoundsBf16Operands(path, dtype));
+        }
       }
     }
   }

@@ -72,6 +72,28 @@ RINGSPLASH_INLINE void PrefetchRow(const T* row, int64_t ahead, int64_t bytes) {
   }
 }
 
+// x[i] lane j = the sum of the 16 lanes of part[i][j] (token j's partial
+// sums of entry i, j < rows; lanes of tokens >= rows are 0): one 16 x 16
+// transpose per entry, then adds.
+template <int G>
+RINGSPLASH_INLINE void ReduceParts(const float* part, int rows, __m512 (&x)[G]) {
+  RINGSPLASH_UNROLL
+  for (int i = 0; i < G; ++i) {
+    __m512 r[16];
+    RINGSPLASH_UNROLL
+    for (int j = 0; j < 16; ++j) {
+      r[j] = j < rows ? _mm512_load_ps(part + (i * 16 + j) * 16) : _mm512_setzero_ps();
+    }
+    Transpose16(r);  // r[c] lane j = lane c of token j's partial sums
+    RINGSPLASH_UNROLL
+    for (int s = 8; s >= 1; s /= 2) {
+      RINGSPLASH_UNROLL
+      for (int c = 0; c < s; ++c) r[c] = _mm512_add_ps(r[c], r[c + s]);
+    }
+    x[i] = r[0];
+  }
+}
+
 // Scores of G entries sharing K rows: lane j < rows of x[i] = q_i . k_j
 // (k_j = k + j * ldk, d elements), lanes >= rows 0. Tokens go in groups of
 // kTokens, each K vector loaded (and widened) once for the G entries and
@@ -119,21 +141,7 @@ RINGSPLASH_INLINE void Dots(const DecodeHead* h, const T* k, int64_t ldk, int64_
       }
     }
   }
-  RINGSPLASH_UNROLL
-  for (int i = 0; i < G; ++i) {
-    __m512 r[16];
-    RINGSPLASH_UNROLL
-    for (int j = 0; j < 16; ++j) {
-      r[j] = j < rows ? _mm512_load_ps(part + (i * 16 + j) * 16) : _mm512_setzero_ps();
-    }
-    Transpose16(r);  // r[c] lane j = lane c of token j's partial sums
-    RINGSPLASH_UNROLL
-    for (int s = 8; s >= 1; s /= 2) {
-      RINGSPLASH_UNROLL
-      for (int c = 0; c < s; ++c) r[c] = _mm512_add_ps(r[c], r[c + s]);
-    }
-    x[i] = r[0];
-  }
+  ReduceParts<G>(part, rows, x);
 }
 
 // acc_i[0, dv) = alpha_i acc_i + sum_{j < rows} p[i][j] v_j for the G heads
@@ -194,7 +202,8 @@ RINGSPLASH_INLINE void AddRows(const DecodeHead* h, const float (&p)[kMaxShare][
 // call: per 32 columns, the 16 even ones, then the 16 odd ones.
 RINGSPLASH_INLINE void SplitPairs(__m512i words, __m512& even, __m512& odd) {
   even = _mm512_castsi512_ps(_mm512_slli_epi32(words, 16));
-  odd = _mm512_castsi512_ps(_mm512_and_si512(words, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+  odd = _mm512_castsi512_ps(
+      _mm512_and_si512(words, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
 }
 
 // y = x[0, n) in pair order (n a multiple of 32).
@@ -211,7 +220,8 @@ void ToPairOrder(const float* x, int64_t n, float* y) {
 // x[0, n) = y back from pair order.
 void FromPairOrder(const float* y, int64_t n, float* x) {
   const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
-  const __m512i hi = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+  const __m512i hi =
+      _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
   for (int64_t c = 0; c < n; c += 32) {
     const __m512 even = _mm512_loadu_ps(y + c), odd = _mm512_loadu_ps(y + c + 16);
     _mm512_storeu_ps(x + c, _mm512_permutex2var_ps(even, lo, odd));
@@ -265,21 +275,7 @@ RINGSPLASH_INLINE void DotsPairs(const DecodeHead* h, const uint16_t* k, int64_t
       }
     }
   }
-  RINGSPLASH_UNROLL
-  for (int i = 0; i < G; ++i) {
-    __m512 r[16];
-    RINGSPLASH_UNROLL
-    for (int j = 0; j < 16; ++j) {
-      r[j] = j < rows ? _mm512_load_ps(part + (i * 16 + j) * 16) : _mm512_setzero_ps();
-    }
-    Transpose16(r);
-    RINGSPLASH_UNROLL
-    for (int s = 8; s >= 1; s /= 2) {
-      RINGSPLASH_UNROLL
-      for (int c = 0; c < s; ++c) r[c] = _mm512_add_ps(r[c], r[c + s]);
-    }
-    x[i] = r[0];
-  }
+  ReduceParts<G>(part, rows, x);
 }
 
 // AddRows on bf16 V rows with acc in pair order: columns [c0, c0 + 32 NW).
@@ -322,11 +318,12 @@ RINGSPLASH_INLINE void AddRowsPairsAt(const DecodeHead* h, const float (&p)[kMax
 
 template <int G>
 RINGSPLASH_INLINE void AddRowsPairs(const DecodeHead* h, const float (&p)[kMaxShare][16],
-                                    const float (&alpha)[kMaxShare], const uint16_t* v,
-                                    int64_t ldv, int64_t dv, int rows) {
+                                    const float (&alpha)[kMaxShare], const uint16_t* v, int64_t ldv,
+                                    int64_t dv, int rows) {
   constexpr int NW = G <= 4 ? 2 : 1;  // as AddRows: 2 NW vectors per head in registers
   int64_t c0 = 0;
-  for (; c0 + 32 * NW <= dv; c0 += 32 * NW) AddRowsPairsAt<G, NW>(h, p, alpha, v, ldv, dv, rows, c0);
+  for (; c0 + 32 * NW <= dv; c0 += 32 * NW)
+    AddRowsPairsAt<G, NW>(h, p, alpha, v, ldv, dv, rows, c0);
   if constexpr (NW > 1) {
     if (c0 < dv) AddRowsPairsAt<G, 1>(h, p, alpha, v, ldv, dv, rows, c0);
   }
@@ -392,7 +389,8 @@ bool Step(const DecodeArgs& a) {
 
 // Step on bf16 rows in pair order: every entry's q and acc reordered into
 // per-thread copies for the call (a few hundred floats per entry against
-// its pass over the call's K and V rows), and acc back after it.
+// its pass over the call's K and V rows), and acc back after it. Entries
+// must not share an acc (DecodeHead: one row of one head each).
 template <bool kCapped>
 bool StepPairs(const DecodeArgs& a) {
   thread_local std::vector<DecodeHead> heads;

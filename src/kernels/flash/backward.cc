@@ -357,8 +357,7 @@ void AccumulateKv(const Context& c, const QTile& qs, int64_t qb, int64_t kvb, fl
   }
   c.mk.gemm_f32(n, g.dvp, m, ws.pt.data(), g.ld_q, 1, qs.dout, g.ld_dv, dv, g.ld_dv, nullptr,
                 accumulate);
-  c.mk.gemm_f32(n, g.dp, m, ws.ds.data(), g.ld_q, 1, qs.q, g.ld_d, dk, g.ld_d, nullptr,
-                accumulate);
+  c.mk.gemm_f32(n, g.dp, m, ws.ds.data(), g.ld_q, 1, qs.q, g.ld_d, dk, g.ld_d, nullptr, accumulate);
 }
 
 // dQ += dS K for the tile in ws (rows = its queries; K's pairs in slot
@@ -502,7 +501,7 @@ void FlashBackward(const FlashParams& p, ThreadPool& pool, const TensorView& dou
     // dQ tiles of the task's heads: [per_part][nqb][bq][ld_d], one per worker.
     const int64_t dq_elems = per_part * g.nqb * g.bq * g.ld_d;
     std::vector<AlignedBuffer<float>> dq(static_cast<size_t>(pool.size()));
-    std::vector<std::vector<char>> dq_seen(static_cast<size_t>(pool.size()));
+    std::vector<std::vector<char>> dq_written_of(static_cast<size_t>(pool.size()));
     // dK/dV tiles of parts 1 .. parts-1 per (b, kh): [nkvb][bkv][ld_d] and
     // [nkvb][bkv][ld_dv] each (part 0 adds its tiles to the accumulators).
     // One worker runs the tasks in order, parts of a (b, kh) one after the
@@ -526,11 +525,13 @@ void FlashBackward(const FlashParams& p, ThreadPool& pool, const TensorView& dou
       if (dqs.size() == 0) dqs.Resize(static_cast<size_t>(dq_elems), /*zero=*/false);
       // dQ tiles are written by their first computed tile (no zeroing pass)
       // and only written ones are added to dq_acc.
-      std::vector<char>& dq_written = dq_seen[static_cast<size_t>(worker)];
+      std::vector<char>& dq_written = dq_written_of[static_cast<size_t>(worker)];
       dq_written.assign(static_cast<size_t>(per_part * g.nqb), 0);
       const int64_t h0 = kh * g.group + part * per_part;
       auto dq_at = [&](int64_t h, int64_t qb) { return (h - h0) * g.nqb + qb; };
-      auto dq_tile = [&](int64_t h, int64_t qb) { return dqs.data() + dq_at(h, qb) * g.bq * g.ld_d; };
+      auto dq_tile = [&](int64_t h, int64_t qb) {
+        return dqs.data() + dq_at(h, qb) * g.bq * g.ld_d;
+      };
       const bool direct = part == 0 || in_order;
       for (int64_t kvb0 = 0; kvb0 < g.nkvb; kvb0 += group) {
         const int64_t nk = std::min(group, g.nkvb - kvb0);

@@ -23,7 +23,7 @@ void* AllocateBufferMemory(size_t bytes) {
   void* p = ::operator new (bytes, std::align_val_t{kHugePage});
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
   // Advice only: where THP is off (or the kernel refuses), 4 KiB pages.
-  madvise(p, bytes, MADV_HUGEPAGE);
+  (void)madvise(p, bytes, MADV_HUGEPAGE);
 #endif
   return p;
 }

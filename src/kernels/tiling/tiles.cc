@@ -203,9 +203,17 @@ KvRows::KvRows(const FlashParams& p, const Geometry& g, KeyFormat keys, double u
   if (tile_cache && !bf16_keys && (k_f32 || k_bf16) && (v_f32 || v_bf16) && uses < kPackMinUses &&
       !in_place_as_is) {
     tile_cache_ = true;  // K and V below are then the copies' sources
-    (k_bf16 ? k_widen_ : k_in_place_) = k.data;
+    if (k_bf16) {
+      k_widen_ = k.data;
+    } else {
+      k_in_place_ = k.data;
+    }
+    if (v_bf16) {
+      v_widen_ = v.data;
+    } else {
+      v_in_place_ = v.data;
+    }
     ldk_ = k.stride[1];
-    (v_bf16 ? v_widen_ : v_in_place_) = v.data;
     ldv_ = v.stride[1];
     return;
   }
@@ -287,7 +295,9 @@ KvRows::KvRows(const FlashParams& p, const Geometry& g, KeyFormat keys, double u
       pack_f32(k, g.d, k_packed_.data() + t * k_elems_, g.ld_d);
     }
     if (pack_v) pack_f32(v, g.dv, v_packed_.data() + t * v_elems_, g.ld_dv);
-    if (bad) packed_bad_[static_cast<size_t>(t)] = 1;
+    // Flags kept only where the call asked for the check (packed_bad_ is
+    // empty otherwise; the widening copy reports non-finite values anyway).
+    if (bad && !packed_bad_.empty()) packed_bad_[static_cast<size_t>(t)] = 1;
   });
 }
 
@@ -370,8 +380,8 @@ KvTile KvTileCache::Get(const KvRows& kv, const micro::MicroKernels& mk, int64_t
     bool bad = kv.k_widen_ != nullptr
                    ? mk.widen_rows_bf16(static_cast<const uint16_t*>(kv.k_widen_) + k_at, kv.ldk(),
                                         n, g.d, k, g.ld_d)
-                   : mk.copy_rows_f32(static_cast<const float*>(kv.k_in_place_) + k_at, kv.ldk(),
-                                      n, g.d, k, g.ld_d);
+                   : mk.copy_rows_f32(static_cast<const float*>(kv.k_in_place_) + k_at, kv.ldk(), n,
+                                      g.d, k, g.ld_d);
     bad = (kv.v_widen_ != nullptr
                ? mk.widen_rows_bf16(static_cast<const uint16_t*>(kv.v_widen_) + v_at, kv.ldv(), n,
                                     g.dv, v, g.ld_dv)
@@ -397,6 +407,7 @@ bool PackTransposed(const micro::MicroKernels& mk, const TensorView& t, int64_t 
     thread_local AlignedBuffer<float> rows_f32;
     Grow(rows_f32, rows * cols);
     if (t.dtype == DType::kBF16 && t.stride[3] == 1) {
+      // Its NaN/Inf report is not needed: the transpose checks the same values.
       const auto* first = static_cast<const uint16_t*>(t.data) + t.Offset(b, r0, head, 0);
       mk.widen_rows_bf16(first, t.stride[1], rows, cols, rows_f32.data(), cols);
     } else {

@@ -117,11 +117,12 @@ class TileMask {
 //     batch, over all query heads of its group) — dense masks and long rows,
 //     not sliding windows — or when it cannot be read in place
 //     (docs/PERFORMANCE.md, "Design measurements": V rows in place).
-// With `tile_cache`, f32 keys' tiles used too rarely for a copy per call
-// are instead copied per thread as they are used (KvTileCache) — f32 rows
-// copied, bf16 rows widened — unless they can be read in place as they are
-// (f32 rows back to back, nothing to pad): tile_cache() says so, and the
-// loops must then read K and V only through a KvTileCache.
+// With `tile_cache` and f32 keys (kF32, kF32Padded), K and V tiles used too
+// rarely for a copy per call are instead copied per thread as they are used
+// (KvTileCache) — f32 rows copied, bf16 rows widened — unless they can be
+// read in place as they are (f32 rows back to back, nothing to pad):
+// tile_cache() says so, and the loops must then read K and V only through a
+// KvTileCache.
 // With `checked_copy`, f32 (bf16) rows of unit inner stride packed per call
 // are copied by its copy_rows_f32 (widened by its widen_rows_bf16), which
 // also notes whether a tile's rows hold a NaN or an infinity: NonFinite then
