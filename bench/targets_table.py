@@ -18,7 +18,10 @@ CASES = {
     "bwd_bf16_d128": "backward bf16, same (vector path)",
     "bwd_bf16_amx_d128": "backward bf16, same, amx path vs vector path (not a target)",
     "causal_vs_full_s8192": "causal vs full, S=8192, f32 forward",
-    "window512_s32768": "sliding window `causal&local:512,0`, S=32768",
+    "window512_s32768": "sliding window `causal&local:512,0`, S=32768, f32 forward: "
+                        "GFLOP/s over the full mask's (S=8192)",
+    "window512_bf16_s32768": "same, bf16 forward (vector path)",
+    "window512_bwd_s32768": "same, f32 backward",
     "ring_threads_2x1": "ring, threads, 2 ranks x 1 thread, S=16384 H=8 Hkv=2 causal zigzag fwdbwd",
     "ring_mpi_2x1": "ring, MPI, 2 processes x 1 thread, same",
     "memory_ring4_s262144": "memory, causal zigzag ring of 4, S=262144 H=1 D=64, fwd",
@@ -27,6 +30,8 @@ CASES = {
     "decode_gqa8_bf16_bw": "decoding step, 1 token, Skv=32768 H=32 Hkv=8 D=128 bf16: "
                            "K/V read rate / measured read bandwidth",
     "decode_gqa8_f32_bw": "decoding step, same, f32",
+    "million_bf16_ring2": "1,048,576-token causal bf16 forward, H=1 D=64, zigzag ring of 2 "
+                          "in-process ranks x 1 thread (seconds)",
 }
 
 
@@ -83,6 +88,11 @@ def detail(r):
         ms = sorted(run["seconds"] * 1e3 for run in runs)
         mib = runs[0].get("kv_bytes", 128 * 2**20) / 2**20
         return f"{spread}; {ms[len(ms) // 2]:.1f} ms per step (median), {mib:.0f} MiB of K and V"
+    if case.startswith("million"):
+        run = runs[0]
+        rss = r.get("peak_rss_mib")
+        return (f"{run['gflops']:.0f} GFLOP/s, {run.get('fraction_of_peak') or 0:.2f} of peak; "
+                f"peak RSS {rss / 1024:.1f} GiB" if rss else f"{run['gflops']:.0f} GFLOP/s")
     if case.startswith("memory"):
         rss = r["rss_mib"]
         steps = ", ".join(f"{v:.0f} MiB at S={s}" for s, v in rss.items())
