@@ -94,15 +94,54 @@ RINGSPLASH_INLINE void ReduceParts(const float* part, int rows, __m512 (&x)[G]) 
   }
 }
 
+// bf16 rows in pair order (DecodeStep with d and dv multiples of 32): the
+// 32 columns of a row from c0 load as one vector of 16 32-bit words whose
+// low halves are the even columns c0, c0 + 2, ... and high halves the odd
+// ones, widened by one shift and one AND — half the loads and widening
+// work of two 16-column loads, which bound a bf16 GQA step (several heads'
+// arithmetic per byte read). q and acc are held in the same order for the
+// call: per 32 columns, the 16 even ones, then the 16 odd ones.
+RINGSPLASH_INLINE void SplitPairs(__m512i words, __m512& even, __m512& odd) {
+  even = _mm512_castsi512_ps(_mm512_slli_epi32(words, 16));
+  odd = _mm512_castsi512_ps(
+      _mm512_and_si512(words, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+
+// y = x[0, n) in pair order (n a multiple of 32).
+void ToPairOrder(const float* x, int64_t n, float* y) {
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+  for (int64_t c = 0; c < n; c += 32) {
+    const __m512 lo = _mm512_loadu_ps(x + c), hi = _mm512_loadu_ps(x + c + 16);
+    _mm512_storeu_ps(y + c, _mm512_permutex2var_ps(lo, even, hi));
+    _mm512_storeu_ps(y + c + 16, _mm512_permutex2var_ps(lo, odd, hi));
+  }
+}
+
+// x[0, n) = y back from pair order.
+void FromPairOrder(const float* y, int64_t n, float* x) {
+  const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+  const __m512i hi =
+      _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+  for (int64_t c = 0; c < n; c += 32) {
+    const __m512 even = _mm512_loadu_ps(y + c), odd = _mm512_loadu_ps(y + c + 16);
+    _mm512_storeu_ps(x + c, _mm512_permutex2var_ps(even, lo, odd));
+    _mm512_storeu_ps(x + c + 16, _mm512_permutex2var_ps(even, hi, odd));
+  }
+}
+
 // Scores of G entries sharing K rows: lane j < rows of x[i] = q_i . k_j
 // (k_j = k + j * ldk, d elements), lanes >= rows 0. Tokens go in groups of
 // kTokens, each K vector loaded (and widened) once for the G entries and
 // each q vector once for the group's tokens — G * kTokens accumulators, one
 // load per FMA or fewer — and the per-token partial sums go through `part`
-// [G][16][16] and one 16 x 16 transpose per entry.
-template <int G, typename T>
+// [G][16][16] and one 16 x 16 transpose per entry. kPairs: bf16 rows read
+// as word pairs, q in pair order (d a multiple of 32): the same sums in
+// another order.
+template <int G, typename T, bool kPairs = false>
 RINGSPLASH_INLINE void Dots(const DecodeHead* h, const T* k, int64_t ldk, int64_t d, int rows,
                             float* part, __m512 (&x)[G]) {
+  static_assert(!kPairs || std::is_same_v<T, uint16_t>, "word pairs are bf16 rows");
   constexpr int kTokens = G <= 2 ? 8 : (G <= 4 ? 4 : 2);  // divides 16
   for (int j0 = 0; j0 < rows; j0 += kTokens) {
     const T* row[kTokens];
@@ -121,16 +160,34 @@ RINGSPLASH_INLINE void Dots(const DecodeHead* h, const T* k, int64_t ldk, int64_
       RINGSPLASH_UNROLL
       for (int t = 0; t < kTokens; ++t) acc[i][t] = _mm512_setzero_ps();
     }
-    for (int64_t c = 0; c < d; c += 16) {
-      const __mmask16 live = LaneMask(d - c);
-      __m512 kv[kTokens];
-      RINGSPLASH_UNROLL
-      for (int t = 0; t < kTokens; ++t) kv[t] = Load16(row[t] + c, live & present[t]);
-      RINGSPLASH_UNROLL
-      for (int i = 0; i < G; ++i) {
-        const __m512 qv = _mm512_maskz_loadu_ps(live, h[i].q + c);
+    if constexpr (kPairs) {
+      for (int64_t c = 0; c < d; c += 32) {
+        __m512 even[kTokens], odd[kTokens];
         RINGSPLASH_UNROLL
-        for (int t = 0; t < kTokens; ++t) acc[i][t] = _mm512_fmadd_ps(qv, kv[t], acc[i][t]);
+        for (int t = 0; t < kTokens; ++t) {
+          SplitPairs(_mm512_maskz_loadu_epi32(present[t], row[t] + c), even[t], odd[t]);
+        }
+        RINGSPLASH_UNROLL
+        for (int i = 0; i < G; ++i) {
+          const __m512 qe = _mm512_loadu_ps(h[i].q + c), qo = _mm512_loadu_ps(h[i].q + c + 16);
+          RINGSPLASH_UNROLL
+          for (int t = 0; t < kTokens; ++t) {
+            acc[i][t] = _mm512_fmadd_ps(qo, odd[t], _mm512_fmadd_ps(qe, even[t], acc[i][t]));
+          }
+        }
+      }
+    } else {
+      for (int64_t c = 0; c < d; c += 16) {
+        const __mmask16 live = LaneMask(d - c);
+        __m512 kv[kTokens];
+        RINGSPLASH_UNROLL
+        for (int t = 0; t < kTokens; ++t) kv[t] = Load16(row[t] + c, live & present[t]);
+        RINGSPLASH_UNROLL
+        for (int i = 0; i < G; ++i) {
+          const __m512 qv = _mm512_maskz_loadu_ps(live, h[i].q + c);
+          RINGSPLASH_UNROLL
+          for (int t = 0; t < kTokens; ++t) acc[i][t] = _mm512_fmadd_ps(qv, kv[t], acc[i][t]);
+        }
       }
     }
     RINGSPLASH_UNROLL
@@ -193,91 +250,6 @@ RINGSPLASH_INLINE void AddRows(const DecodeHead* h, const float (&p)[kMaxShare][
   }
 }
 
-// bf16 rows in pair order (DecodeStep with d and dv multiples of 32): the
-// 32 columns of a row from c0 load as one vector of 16 32-bit words whose
-// low halves are the even columns c0, c0 + 2, ... and high halves the odd
-// ones, widened by one shift and one AND — half the loads and widening
-// work of two 16-column loads, which bound a bf16 GQA step (several heads'
-// arithmetic per byte read). q and acc are held in the same order for the
-// call: per 32 columns, the 16 even ones, then the 16 odd ones.
-RINGSPLASH_INLINE void SplitPairs(__m512i words, __m512& even, __m512& odd) {
-  even = _mm512_castsi512_ps(_mm512_slli_epi32(words, 16));
-  odd = _mm512_castsi512_ps(
-      _mm512_and_si512(words, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
-}
-
-// y = x[0, n) in pair order (n a multiple of 32).
-void ToPairOrder(const float* x, int64_t n, float* y) {
-  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-  const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
-  for (int64_t c = 0; c < n; c += 32) {
-    const __m512 lo = _mm512_loadu_ps(x + c), hi = _mm512_loadu_ps(x + c + 16);
-    _mm512_storeu_ps(y + c, _mm512_permutex2var_ps(lo, even, hi));
-    _mm512_storeu_ps(y + c + 16, _mm512_permutex2var_ps(lo, odd, hi));
-  }
-}
-
-// x[0, n) = y back from pair order.
-void FromPairOrder(const float* y, int64_t n, float* x) {
-  const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
-  const __m512i hi =
-      _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
-  for (int64_t c = 0; c < n; c += 32) {
-    const __m512 even = _mm512_loadu_ps(y + c), odd = _mm512_loadu_ps(y + c + 16);
-    _mm512_storeu_ps(x + c, _mm512_permutex2var_ps(even, lo, odd));
-    _mm512_storeu_ps(x + c + 16, _mm512_permutex2var_ps(even, hi, odd));
-  }
-}
-
-// Dots on bf16 K rows and q in pair order (d a multiple of 32): the same
-// sums over other partial orders.
-template <int G>
-RINGSPLASH_INLINE void DotsPairs(const DecodeHead* h, const uint16_t* k, int64_t ldk, int64_t d,
-                                 int rows, float* part, __m512 (&x)[G]) {
-  constexpr int kTokens = G <= 2 ? 8 : (G <= 4 ? 4 : 2);  // divides 16
-  for (int j0 = 0; j0 < rows; j0 += kTokens) {
-    const uint16_t* row[kTokens];
-    __mmask16 present[kTokens];  // tokens past `rows` are not read
-    RINGSPLASH_UNROLL
-    for (int t = 0; t < kTokens; ++t) {
-      row[t] = k + std::min(j0 + t, rows - 1) * ldk;
-      present[t] = j0 + t < rows ? static_cast<__mmask16>(0xffff) : 0;
-      if constexpr (G >= 2) {
-        if (j0 + t < rows) PrefetchRow(row[t], kPrefetchKeys * ldk * 2, d * 2);
-      }
-    }
-    __m512 acc[G][kTokens];
-    RINGSPLASH_UNROLL
-    for (int i = 0; i < G; ++i) {
-      RINGSPLASH_UNROLL
-      for (int t = 0; t < kTokens; ++t) acc[i][t] = _mm512_setzero_ps();
-    }
-    for (int64_t c = 0; c < d; c += 32) {
-      __m512 even[kTokens], odd[kTokens];
-      RINGSPLASH_UNROLL
-      for (int t = 0; t < kTokens; ++t) {
-        SplitPairs(_mm512_maskz_loadu_epi32(present[t], row[t] + c), even[t], odd[t]);
-      }
-      RINGSPLASH_UNROLL
-      for (int i = 0; i < G; ++i) {
-        const __m512 qe = _mm512_loadu_ps(h[i].q + c), qo = _mm512_loadu_ps(h[i].q + c + 16);
-        RINGSPLASH_UNROLL
-        for (int t = 0; t < kTokens; ++t) {
-          acc[i][t] = _mm512_fmadd_ps(qo, odd[t], _mm512_fmadd_ps(qe, even[t], acc[i][t]));
-        }
-      }
-    }
-    RINGSPLASH_UNROLL
-    for (int i = 0; i < G; ++i) {
-      RINGSPLASH_UNROLL
-      for (int t = 0; t < kTokens; ++t) {
-        _mm512_store_ps(part + (i * 16 + j0 + t) * 16, acc[i][t]);
-      }
-    }
-  }
-  ReduceParts<G>(part, rows, x);
-}
-
 // AddRows on bf16 V rows with acc in pair order: columns [c0, c0 + 32 NW).
 template <int G, int NW>
 RINGSPLASH_INLINE void AddRowsPairsAt(const DecodeHead* h, const float (&p)[kMaxShare][16],
@@ -331,7 +303,7 @@ RINGSPLASH_INLINE void AddRowsPairs(const DecodeHead* h, const float (&p)[kMaxSh
 
 // One chunk (keys [j0, j0 + rows)) of G heads sharing their K and V rows;
 // returns whether a logit was not finite.
-// kPairs: bf16 rows, q and acc in pair order (DotsPairs, AddRowsPairs).
+// kPairs: bf16 rows, q and acc in pair order (Dots, AddRowsPairs).
 template <int G, typename T, bool kCapped, bool kPairs>
 bool Chunk(const DecodeArgs& a, const DecodeHead* h, int64_t j0, int rows) {
   const T* k = static_cast<const T*>(h[0].k) + j0 * a.ldk;
@@ -339,11 +311,7 @@ bool Chunk(const DecodeArgs& a, const DecodeHead* h, int64_t j0, int rows) {
   const __mmask16 live = LaneMask(rows);
   alignas(64) float part[G * 16 * 16];
   __m512 x[G];
-  if constexpr (kPairs) {
-    DotsPairs<G>(h, k, a.ldk, a.d, rows, part, x);
-  } else {
-    Dots<G>(h, k, a.ldk, a.d, rows, part, x);
-  }
+  Dots<G, T, kPairs>(h, k, a.ldk, a.d, rows, part, x);
   alignas(64) float p[kMaxShare][16];
   float alpha[kMaxShare];
   bool bad = false;

@@ -188,7 +188,7 @@ void ExpStrip(const TileArgs& t, int64_t i0, __m512 vmax, float* row_max, float*
 }  // namespace
 
 // 16 x 16 blocks transposed in registers (Transpose16). The loaded rows are
-// also checked for NaN/Inf (NonFiniteCheck, as in CopyRowsF32).
+// also checked for NaN/Inf (NonFiniteCheck, as in the row copies).
 bool TransposeF32(int64_t rows, int64_t cols, const float* src, int64_t lds, float* dst,
                   int64_t ldd) {
   NonFiniteCheck check;

@@ -362,60 +362,43 @@ class NonFiniteCheck {
 // prefetchers do not follow).
 constexpr int64_t kPrefetchRows = 8;
 
-bool CopyRowsF32(const float* src, int64_t lds, int64_t rows, int64_t cols, float* dst,
-                 int64_t ldd) {
-  NonFiniteCheck check;  // lanes beyond `cols` load as 0
-  for (int64_t r = 0; r < rows; ++r) {
-    if (r + kPrefetchRows < rows) {
-      const char* ahead = reinterpret_cast<const char*>(src + (r + kPrefetchRows) * lds);
-      for (int64_t o = 0; o < cols * static_cast<int64_t>(sizeof(float)); o += 64) {
-        _mm_prefetch(ahead + o, _MM_HINT_T0);
-      }
-    }
-    const float* s = src + r * lds;
-    float* d = dst + r * ldd;
-    for (int64_t c = 0; c < ldd; c += 8) {
-      const int64_t left = cols - c;
-      const __m256 v = left >= 8  ? _mm256_loadu_ps(s + c)
-                       : left > 0 ? _mm256_maskload_ps(s + c, FirstLanes(left))
-                                  : _mm256_setzero_ps();
-      check.Add(v);
-      if (ldd - c >= 8) {
-        _mm256_storeu_ps(d + c, v);
-      } else {
-        _mm256_maskstore_ps(d + c, FirstLanes(ldd - c), v);
-      }
-    }
+// `left` (0 to 8 and more) elements of a row from src as 8 f32 lanes (bf16
+// zero extended and shifted into the high halves: exact), the rest 0. A
+// bf16 row's last partial step goes through a zeroed staging vector (AVX2
+// has no 16-bit masked load).
+RINGSPLASH_INLINE __m256 LoadRowAsF32(const float* src, int64_t left) {
+  return left >= 8  ? _mm256_loadu_ps(src)
+         : left > 0 ? _mm256_maskload_ps(src, FirstLanes(left))
+                    : _mm256_setzero_ps();
+}
+RINGSPLASH_INLINE __m256 LoadRowAsF32(const uint16_t* src, int64_t left) {
+  __m128i half;
+  if (left >= 8) {
+    half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
+  } else {
+    alignas(16) uint16_t stage[8] = {};
+    for (int64_t i = 0; i < left; ++i) stage[i] = src[i];
+    half = _mm_load_si128(reinterpret_cast<const __m128i*>(stage));
   }
-  return check.Any();
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
 }
 
-// CopyRowsF32 from bf16 rows: 8 bf16 (16 bytes) per step, zero extended
-// and shifted into the high halves of 8 f32 lanes; a row's last partial step
-// goes through a zeroed staging vector (AVX2 has no 16-bit masked load).
-bool WidenRowsBf16(const uint16_t* src, int64_t lds, int64_t rows, int64_t cols, float* dst,
-                   int64_t ldd) {
+// copy_rows_f32 (T = float) and widen_rows_bf16 (T = uint16_t): 8 elements per
+// step.
+template <typename T>
+bool CopyRowsAsF32(const T* src, int64_t lds, int64_t rows, int64_t cols, float* dst, int64_t ldd) {
   NonFiniteCheck check;  // lanes beyond `cols` load as 0
   for (int64_t r = 0; r < rows; ++r) {
     if (r + kPrefetchRows < rows) {
       const char* ahead = reinterpret_cast<const char*>(src + (r + kPrefetchRows) * lds);
-      for (int64_t o = 0; o < cols * static_cast<int64_t>(sizeof(uint16_t)); o += 64) {
+      for (int64_t o = 0; o < cols * static_cast<int64_t>(sizeof(T)); o += 64) {
         _mm_prefetch(ahead + o, _MM_HINT_T0);
       }
     }
-    const uint16_t* s = src + r * lds;
+    const T* s = src + r * lds;
     float* d = dst + r * ldd;
     for (int64_t c = 0; c < ldd; c += 8) {
-      const int64_t left = cols - c;
-      __m128i half;
-      if (left >= 8) {
-        half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + c));
-      } else {
-        alignas(16) uint16_t stage[8] = {};
-        for (int64_t i = 0; i < left; ++i) stage[i] = s[c + i];
-        half = _mm_load_si128(reinterpret_cast<const __m128i*>(stage));
-      }
-      const __m256 v = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
+      const __m256 v = LoadRowAsF32(s + c, cols - c);
       check.Add(v);
       if (ldd - c >= 8) {
         _mm256_storeu_ps(d + c, v);
@@ -491,8 +474,8 @@ const MicroKernels& Avx2MicroKernels() {
     t.name = "avx2";
     t.gemm_f32 = avx2::GemmF32;
     t.gemm_f32_ranges = avx2::GemmF32Ranges;
-    t.copy_rows_f32 = avx2::CopyRowsF32;
-    t.widen_rows_bf16 = avx2::WidenRowsBf16;
+    t.copy_rows_f32 = avx2::CopyRowsAsF32<float>;
+    t.widen_rows_bf16 = avx2::CopyRowsAsF32<uint16_t>;
     t.transpose_f32 = avx2::TransposeF32;
     t.softmax_columns = avx2::SoftmaxColumns;
     t.forward_tile = avx2::ForwardTile;

@@ -26,54 +26,35 @@ namespace {
 // row prefetch in the f32 tile copy).
 constexpr int64_t kPrefetchRows = 8;
 
-bool CopyRowsF32(const float* src, int64_t lds, int64_t rows, int64_t cols, float* dst,
-                 int64_t ldd) {
-  NonFiniteCheck check;
-  for (int64_t r = 0; r < rows; ++r) {
-    if (r + kPrefetchRows < rows) {
-      const char* ahead = reinterpret_cast<const char*>(src + (r + kPrefetchRows) * lds);
-      for (int64_t o = 0; o < cols * static_cast<int64_t>(sizeof(float)); o += 64) {
-        _mm_prefetch(ahead + o, _MM_HINT_T0);
-      }
-    }
-    const float* s = src + r * lds;
-    float* d = dst + r * ldd;
-    for (int64_t c = 0; c < ldd; c += 16) {
-      const int64_t left = cols - c;
-      const __mmask16 in = left >= 16  ? static_cast<__mmask16>(0xFFFF)
-                           : left <= 0 ? static_cast<__mmask16>(0)
-                                       : static_cast<__mmask16>((1u << left) - 1u);
-      const __m512i v = _mm512_maskz_loadu_epi32(in, s + c);
-      check.Add(v);
-      const __mmask16 out = ldd - c >= 16 ? static_cast<__mmask16>(0xFFFF)
-                                          : static_cast<__mmask16>((1u << (ldd - c)) - 1u);
-      _mm512_mask_storeu_epi32(d + c, out, v);
-    }
-  }
-  return check.Any();
+// Lanes `in` of 16 consecutive elements of a row as f32 bits (bf16 zero
+// extended and shifted into the high halves: exact); the others 0.
+RINGSPLASH_INLINE __m512i LoadAsF32Bits(const float* src, __mmask16 in) {
+  return _mm512_maskz_loadu_epi32(in, src);
+}
+RINGSPLASH_INLINE __m512i LoadAsF32Bits(const uint16_t* src, __mmask16 in) {
+  return _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(in, src)), 16);
 }
 
-// CopyRowsF32 from bf16 rows: 16 bf16 (32 bytes) per step, zero extended
-// and shifted into the high halves of 16 f32 lanes.
-bool WidenRowsBf16(const uint16_t* src, int64_t lds, int64_t rows, int64_t cols, float* dst,
-                   int64_t ldd) {
+// copy_rows_f32 (T = float) and widen_rows_bf16 (T = uint16_t): 16 elements per
+// step.
+template <typename T>
+bool CopyRowsAsF32(const T* src, int64_t lds, int64_t rows, int64_t cols, float* dst, int64_t ldd) {
   NonFiniteCheck check;
   for (int64_t r = 0; r < rows; ++r) {
     if (r + kPrefetchRows < rows) {
       const char* ahead = reinterpret_cast<const char*>(src + (r + kPrefetchRows) * lds);
-      for (int64_t o = 0; o < cols * static_cast<int64_t>(sizeof(uint16_t)); o += 64) {
+      for (int64_t o = 0; o < cols * static_cast<int64_t>(sizeof(T)); o += 64) {
         _mm_prefetch(ahead + o, _MM_HINT_T0);
       }
     }
-    const uint16_t* s = src + r * lds;
+    const T* s = src + r * lds;
     float* d = dst + r * ldd;
     for (int64_t c = 0; c < ldd; c += 16) {
       const int64_t left = cols - c;
       const __mmask16 in = left >= 16  ? static_cast<__mmask16>(0xFFFF)
                            : left <= 0 ? static_cast<__mmask16>(0)
                                        : static_cast<__mmask16>((1u << left) - 1u);
-      const __m512i v =
-          _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(in, s + c)), 16);
+      const __m512i v = LoadAsF32Bits(s + c, in);
       check.Add(v);
       const __mmask16 out = ldd - c >= 16 ? static_cast<__mmask16>(0xFFFF)
                                           : static_cast<__mmask16>((1u << (ldd - c)) - 1u);
@@ -94,8 +75,8 @@ const MicroKernels& Avx512MicroKernels() {
     t.gemm_f32_ranges = GemmF32RangesAvx512;
     t.mask_bits = avx512::MaskBits;
     t.transpose_f32 = avx512::TransposeF32;
-    t.copy_rows_f32 = avx512::CopyRowsF32;
-    t.widen_rows_bf16 = avx512::WidenRowsBf16;
+    t.copy_rows_f32 = avx512::CopyRowsAsF32<float>;
+    t.widen_rows_bf16 = avx512::CopyRowsAsF32<uint16_t>;
     t.softmax_columns = avx512::SoftmaxColumns;
     t.forward_tile = avx512::ForwardTile;
     t.backward_tile = avx512::BackwardTile;

@@ -299,30 +299,18 @@ void BackwardTile(const BackwardTileArgs& b) {
   t.softcap > 0.0f ? BackwardEpilogue<true>(b) : BackwardEpilogue<false>(b);
 }
 
-bool CopyRowsF32(const float* src, int64_t lds, int64_t rows, int64_t cols, float* dst,
-                 int64_t ldd) {
-  uint32_t bad = 0;
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* s = src + r * lds;
-    float* d = dst + r * ldd;
-    for (int64_t c = 0; c < cols; ++c) {
-      bad |= NonFinite(s[c]);
-      d[c] = s[c];
-    }
-    for (int64_t c = cols; c < ldd; ++c) d[c] = 0.0f;
-  }
-  return bad != 0;
-}
+inline float AsF32(float x) { return x; }
+inline float AsF32(uint16_t x) { return BF16ToF32(x); }  // exact
 
-bool WidenRowsBf16(const uint16_t* src, int64_t lds, int64_t rows, int64_t cols, float* dst,
-                   int64_t ldd) {
+// copy_rows_f32 (T = float) and widen_rows_bf16 (T = uint16_t).
+template <typename T>
+bool CopyRowsAsF32(const T* src, int64_t lds, int64_t rows, int64_t cols, float* dst, int64_t ldd) {
   uint32_t bad = 0;
   for (int64_t r = 0; r < rows; ++r) {
-    const uint16_t* s = src + r * lds;
+    const T* s = src + r * lds;
     float* d = dst + r * ldd;
     for (int64_t c = 0; c < cols; ++c) {
-      const uint32_t bits = static_cast<uint32_t>(s[c]) << 16;
-      std::memcpy(d + c, &bits, sizeof(bits));
+      d[c] = AsF32(s[c]);
       bad |= NonFinite(d[c]);
     }
     for (int64_t c = cols; c < ldd; ++c) d[c] = 0.0f;
@@ -340,8 +328,8 @@ const MicroKernels& PortableMicroKernels() {
     t.gemm_f32_ranges = GemmF32Ranges;
     t.mask_bits = MaskBits;
     t.transpose_f32 = TransposeF32;
-    t.copy_rows_f32 = CopyRowsF32;
-    t.widen_rows_bf16 = WidenRowsBf16;
+    t.copy_rows_f32 = CopyRowsAsF32<float>;
+    t.widen_rows_bf16 = CopyRowsAsF32<uint16_t>;
     t.softmax_columns = SoftmaxColumns;
     t.forward_tile = ForwardTile;
     t.backward_tile = BackwardTile;
