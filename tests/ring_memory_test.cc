@@ -24,6 +24,7 @@
 #include "ringsplash/error.h"
 #include "ringsplash/ring.h"
 #include "tests/support/peak_memory.h"
+#include "tests/support/sanitizers.h"
 #include "tests/support/test_util.h"
 
 namespace ringsplash::testing {
@@ -31,17 +32,7 @@ namespace {
 
 // Sanitizers add shadow memory and quarantines: resident memory says
 // nothing about the library's buffers there.
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
-constexpr bool kSanitized = true;
-#elif defined(__has_feature)
-#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
-constexpr bool kSanitized = true;
-#else
-constexpr bool kSanitized = false;
-#endif
-#else
-constexpr bool kSanitized = false;
-#endif
+using ringsplash::testing::kSanitized;
 
 TEST(RingMemoryTest, MillionTokenCausalRankPeakIsItsShardsAndTwoSlices) {
   if (kSanitized) GTEST_SKIP() << "resident memory is not the library's under sanitizers";

@@ -24,6 +24,7 @@
 #include "ringsplash/mask.h"
 #include "ringsplash/ring.h"
 #include "tests/support/accuracy.h"
+#include "tests/support/sanitizers.h"
 #include "tests/support/test_util.h"
 
 namespace ringsplash::testing {
@@ -34,17 +35,7 @@ namespace {
 // the even f32 cases only, as the bf16 tests always do: each layout, mask
 // feature and ring size still appears (AllCases() orders them so), and the
 // tiling is the same.
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
-constexpr bool kSanitized = true;
-#elif defined(__has_feature)
-#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
-constexpr bool kSanitized = true;
-#else
-constexpr bool kSanitized = false;
-#endif
-#else
-constexpr bool kSanitized = false;
-#endif
+using ringsplash::testing::kSanitized;
 
 // f32 bound: kF32Tolerance (1e-5, accuracy.h), argued there for <= ~100
 // terms. Here a row sums up to 1440 keys, where the worst case (D + Skv) u ~

@@ -20,6 +20,7 @@
 
 #include "ringsplash/attention.h"
 #include "tests/cli/cli_test_util.h"
+#include "tests/support/sanitizers.h"
 #include "tools/peak.h"
 
 namespace ringsplash::cli {
@@ -34,17 +35,7 @@ struct FreeDeleter {
 };
 using Buffer = std::unique_ptr<uint64_t, FreeDeleter>;
 
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
-constexpr bool kSanitized = true;
-#elif defined(__has_feature)
-#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
-constexpr bool kSanitized = true;
-#else
-constexpr bool kSanitized = false;
-#endif
-#else
-constexpr bool kSanitized = false;
-#endif
+using ringsplash::testing::kSanitized;
 
 // `words` 64-byte aligned words, each a distinct odd-looking value (a
 // missed or twice-read word changes the sum).

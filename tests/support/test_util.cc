@@ -42,6 +42,13 @@ Tensor RandomTensor(Rng& rng, DType dtype, std::vector<int64_t> shape, double lo
   return t;
 }
 
+std::vector<float> RandomFloats(Rng& rng, size_t n, float lo, float hi) {
+  std::uniform_real_distribution<float> u(lo, hi);
+  std::vector<float> v(n);
+  for (float& x : v) x = u(rng);
+  return v;
+}
+
 void FillRandom(Rng& rng, const TensorView& t, double lo, double hi) {
   std::uniform_real_distribution<double> dist(lo, hi);
   ForEachElement(

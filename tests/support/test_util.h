@@ -23,6 +23,10 @@ Tensor RandomTensor(Rng& rng, DType dtype, std::vector<int64_t> shape, double lo
                     double hi = 1.0);
 // Fills an existing view (any strides) the same way.
 void FillRandom(Rng& rng, const TensorView& t, double lo = -1.0, double hi = 1.0);
+// n floats uniform in [lo, hi] (micro-kernel operands).
+std::vector<float> RandomFloats(Rng& rng, size_t n, float lo = -1.0f, float hi = 1.0f);
+// x rounded up to a multiple of 16 (a 16-lane vector's).
+inline int64_t RoundUpTo16(int64_t x) { return (x + 15) / 16 * 16; }
 
 // Packed-document segment ids [B, S] i32: non-decreasing runs of random
 // lengths with ids starting at `first_id` (so q and kv can use different id
