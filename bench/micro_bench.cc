@@ -473,7 +473,7 @@ void BM_Flash(benchmark::State& state) {
     stats = KernelStats();
     if (backward) {
       kernels::FlashBackward(p, pool, dout.view(), lse.data(), delta.data(), dq.data(), dk.data(),
-                             dv.data(), &stats);
+                             dv.data(), kernels::GradientSums{false, false}, &stats);
     } else {
       kernels::FlashForward(p, pool, out.data(), lse.data(), &stats);
     }
@@ -526,7 +526,7 @@ void BM_FlashThreads(benchmark::State& state) {
   for (auto _ : state) {
     if (backward) {
       kernels::FlashBackward(p, pool, dout.view(), lse.data(), delta.data(), dq.data(), dk.data(),
-                             dv.data(), nullptr);
+                             dv.data(), kernels::GradientSums{false, false}, nullptr);
     } else {
       kernels::FlashForward(p, pool, out.data(), lse.data(), nullptr);
     }

@@ -6,11 +6,13 @@
 // another run of the same kernel where the claim is invariance.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
 #include <numeric>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "ringsplash/attention.h"
@@ -137,6 +139,30 @@ TEST(FlashTest, BackwardHeadPartsMatchReferenceOnAnyThreadCount) {
           EXPECT_TRUE(BitwiseEqual(r1, rn))
               << KernelPathName(path) << " " << DTypeName(dtype) << " parts " << c.parts << ", "
               << threads << " threads";
+        }
+        // Added to accumulators holding 0.5 (GradientSums; the ring's
+        // steps) rather than written: the same gradients but for the
+        // rounding of each partial sum added to 0.5, at most half an ulp of
+        // 0.5 + |partial sum| per add, one add per computed tile (here <= 4
+        // per dQ row, <= 10 per dK/dV row): 32 ulps of 0.5 + the largest
+        // |gradient| (partial sums stay within a few times it) bound them.
+        // Bitwise the same through both schedules (1 and 7 threads).
+        s.add_gradients = true;
+        s.threads = 1;
+        const Result a1 = prob.Run(s, true);
+        s.threads = 7;
+        EXPECT_TRUE(BitwiseEqual(a1, prob.Run(s, true))) << KernelPathName(path);
+        s.add_gradients = false;
+        for (auto [added, written] :
+             {std::pair{&a1.dq, &r1.dq}, {&a1.dk, &r1.dk}, {&a1.dv, &r1.dv}}) {
+          double largest = 0;
+          for (float w : *written) largest = std::max(largest, std::abs(double{w}));
+          const double bound = 32 * std::ldexp(0.5 + largest, -24);
+          for (size_t e = 0; e < written->size(); ++e) {
+            ASSERT_LE(std::abs(double{(*added)[e]} - (*written)[e]), bound)
+                << KernelPathName(path) << " " << DTypeName(dtype) << " parts " << c.parts
+                << " element " << e;
+          }
         }
       }
     }

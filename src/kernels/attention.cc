@@ -9,12 +9,12 @@
 // except for a bf16 out of unit row stride and nesting dims, which
 // FlashForwardBf16Out writes itself, sinks applied per row (out32 is then
 // made only if the call is redone: a NaN/Inf input or a bf16 overflow).
-// The backward mirrors it: delta = rowsum(dout * out), zeroed f32 dq/dk/dv
-// accumulators, FlashBackward, CopyConvert; dsinks from (sinks, lse, delta).
+// The backward mirrors it: delta = rowsum(dout * out), f32 dq/dk/dv that
+// FlashBackward writes whole, CopyConvert; dsinks from (sinks, lse, delta).
 // When a caller's view is already f32 and contiguous the kernels write into
 // it directly (no scratch, no copy): validation refused outputs that share
-// memory with an input or another output (the backward zeroes dq/dk/dv
-// before it reads q, k, v and dout).
+// memory with an input or another output (the backward writes dq/dk/dv
+// while it reads q, k, v and dout).
 // Non-finite inputs (src/kernels/poison.h): the forward's kernel checks the
 // rows it reads, the backward scans its inputs once; only when either finds
 // something do the kernels run on cleaned copies, after which the rows that
@@ -38,6 +38,7 @@
 #include "src/kernels/flash/flash.h"
 #include "src/kernels/poison.h"
 #include "src/kernels/thread_pool.h"
+#include "src/kernels/tiling/pack.h"
 #include "src/kernels/validate.h"
 
 namespace ringsplash {
@@ -151,28 +152,33 @@ bool IsF32Contiguous(const TensorView& t) { return t.dtype == DType::kF32 && t.i
 // An f32 contiguous buffer of `shape` for a result that ends up in `user`
 // (the argument `what`): the user's own memory when it is already f32
 // contiguous, else scratch that Finish() converts into it — throwing Error if
-// a finite result does not fit in the user's f16/bf16.
+// a finite result does not fit in the user's f16/bf16. Its contents start
+// undefined: the kernels write every element.
 class F32Buffer {
  public:
-  F32Buffer(const TensorView& user, std::vector<int64_t> shape, bool zero, const char* what)
-      : user_(user), what_(what) {
+  F32Buffer(const TensorView& user, std::vector<int64_t> shape, const char* what)
+      : user_(user), shape_(std::move(shape)), what_(what) {
     if (IsF32Contiguous(user)) {
       ptr_ = static_cast<float*>(user.data);
-      if (zero) std::memset(ptr_, 0, static_cast<size_t>(user.numel()) * sizeof(float));
     } else {
-      scratch_ = Tensor(DType::kF32, std::move(shape));  // zero-filled
-      ptr_ = scratch_.data_as<float>();
+      int64_t n = 1;
+      for (int64_t d : shape_) n *= d;
+      scratch_.Resize(static_cast<size_t>(n), /*zero=*/false);
+      ptr_ = scratch_.data();
     }
   }
   float* get() const { return ptr_; }
   void Finish() const {
-    if (scratch_.data() != nullptr) CopyConvert(scratch_.view(), user_, what_);
+    if (scratch_.size() != 0) {
+      CopyConvert(TensorView::Contiguous(ptr_, DType::kF32, shape_), user_, what_);
+    }
   }
 
  private:
   TensorView user_;
+  std::vector<int64_t> shape_;
   const char* what_;
-  Tensor scratch_;
+  kernels::AlignedBuffer<float> scratch_;
   float* ptr_ = nullptr;
 };
 
@@ -208,8 +214,8 @@ void AttentionForward(const AttentionInputs& in, const AttentionOptions& opt, Te
   const bool direct_bf16 = out.dtype == DType::kBF16 && out.numel() > 0 &&
                            (out.shape[3] == 1 || out.stride[3] == 1) && kernels::StridesNest(out);
   std::optional<F32Buffer> out32;
-  if (!direct_bf16) out32.emplace(out, out_shape, /*zero=*/false, "out");
-  F32Buffer lse32(lse, {dims.b, dims.h, dims.sq}, /*zero=*/false, "lse");
+  if (!direct_bf16) out32.emplace(out, out_shape, "out");
+  F32Buffer lse32(lse, {dims.b, dims.h, dims.sq}, "lse");
   KernelStats local;
 
   // Non-finite inputs (poison.h; sinks are validated: finite or -inf).
@@ -242,7 +248,7 @@ void AttentionForward(const AttentionInputs& in, const AttentionOptions& opt, Te
     redo = true;
   }
   if (redo) {
-    if (!out32) out32.emplace(out, out_shape, /*zero=*/false, "out");
+    if (!out32) out32.emplace(out, out_shape, "out");
     local = KernelStats();
     kernels::FlashForward(pr.params, lease.pool(), out32->get(), lse32.get(), &local);
   }
@@ -294,12 +300,14 @@ void AttentionBackward(const AttentionInputs& in, const AttentionOptions& opt, T
     lse32 = lse_copy.data_as<float>();
   }
 
-  F32Buffer dq32(dq, {dims.b, dims.sq, dims.h, dims.d}, /*zero=*/true, "dq");
-  F32Buffer dk32(dk, {dims.b, dims.skv, dims.hkv, dims.d}, /*zero=*/true, "dk");
-  F32Buffer dv32(dv, {dims.b, dims.skv, dims.hkv, dims.dv}, /*zero=*/true, "dv");
+  // Written whole by the kernel (accumulate = false): no zeroing first.
+  F32Buffer dq32(dq, {dims.b, dims.sq, dims.h, dims.d}, "dq");
+  F32Buffer dk32(dk, {dims.b, dims.skv, dims.hkv, dims.d}, "dk");
+  F32Buffer dv32(dv, {dims.b, dims.skv, dims.hkv, dims.dv}, "dv");
   KernelStats local;
   kernels::FlashBackward(pr.params, lease.pool(), dout, lse32, delta.data(), dq32.get(), dk32.get(),
-                         dv32.get(), &local);
+                         dv32.get(), kernels::GradientSums{.add_dq = false, .add_dkv = false},
+                         &local);
   poison.FillKeys(rule, dk32.get(), dv32.get());
   poison.FillQueries(dq32.get());
   dq32.Finish();

@@ -101,12 +101,15 @@ void BackwardSteps(Communicator& comm, const RingSetup& s, const AttentionInputs
     RingStepStats step;
     step.source_rank = src;
     Clock::time_point c0 = Clock::now();
+    // The step's dK/dV are written whole (accumulate = false: no zeroing)
+    // into the accumulator that starts at this rank, or into `part` to be
+    // added to the one that arrives; dQ adds up step after step.
     float* target = t == 0 ? scratch.accs[acc_in].data_as<float>() : part.data_as<float>();
-    if (t > 0) std::memset(target, 0, acc_bytes);
     kernels::FlashParams params = s.StepParams(layout, cur, src);
     params.q = poison.q();
     kernels::FlashBackward(params, pool, poison.dout(), lse32.data_as<float>(), delta.data(),
-                           dq_acc.data_as<float>(), target, target + dk_elems, &step.kernel);
+                           dq_acc.data_as<float>(), target, target + dk_elems,
+                           kernels::GradientSums{.add_dq = t > 0, .add_dkv = false}, &step.kernel);
     poison.FillKeys(s.Rule(layout, cur, src), target, target + dk_elems);
     step.compute_seconds = SecondsSince(c0);
     if (t > 0) {

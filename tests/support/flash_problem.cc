@@ -65,14 +65,17 @@ Result Problem::Run(const RunConfig& s, bool backward, const RefForward* ref) co
       }
     }
   }
-  // Non-zero initial accumulators check that the kernel adds (+=).
-  r.dq.assign(static_cast<size_t>(sp.b * sp.sq * sp.h * sp.d), 0.5f);
-  r.dk.assign(static_cast<size_t>(sp.b * sp.skv * sp.hkv * sp.d), 0.5f);
-  r.dv.assign(static_cast<size_t>(sp.b * sp.skv * sp.hkv * sp.dv), 0.5f);
+  const float fill = s.add_gradients ? 0.5f : std::numeric_limits<float>::quiet_NaN();
+  r.dq.assign(static_cast<size_t>(sp.b * sp.sq * sp.h * sp.d), fill);
+  r.dk.assign(static_cast<size_t>(sp.b * sp.skv * sp.hkv * sp.d), fill);
+  r.dv.assign(static_cast<size_t>(sp.b * sp.skv * sp.hkv * sp.dv), fill);
+  const kernels::GradientSums sums{.add_dq = s.add_gradients, .add_dkv = s.add_gradients};
   kernels::FlashBackward(p, pool, dout_.view(), lse.data(), delta.data(), r.dq.data(), r.dk.data(),
-                         r.dv.data(), &r.bwd_stats);
-  for (auto* vec : {&r.dq, &r.dk, &r.dv}) {
-    for (float& x : *vec) x -= 0.5f;
+                         r.dv.data(), sums, &r.bwd_stats);
+  if (s.add_gradients) {
+    for (auto* vec : {&r.dq, &r.dk, &r.dv}) {
+      for (float& x : *vec) x -= 0.5f;
+    }
   }
   return r;
 }

@@ -39,6 +39,10 @@ struct RunConfig {
   BlockSizes blocks{32, 32};
   KernelPath path = KernelPath::kPortable;
   int threads = 2;
+  // The backward's GradientSums: false writes the gradients into buffers
+  // filled with NaN (an element the kernel leaves unwritten shows); true
+  // adds them to buffers holding 0.5, subtracted again afterwards.
+  bool add_gradients = false;
 };
 
 // Kernel outputs of one forward (+ backward) run.

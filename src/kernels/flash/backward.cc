@@ -18,14 +18,18 @@
 // and summed in a fixed order. A kv head's group of query heads is split
 // into BackwardHeadParts(g) consecutive parts (a function of the shapes
 // only, > 1 when there are few (batch, kv head) pairs: MQA, small batches);
-//   dK/dV tile of kvb, for each part in turn: zeroed, then += over (query
-//     head of the part, q block) ascending, then added to dk_acc / dv_acc;
-//   dQ tile of (h, qb): zeroed, then += over kvb ascending, then added to dq_acc.
+//   dK/dV tile of kvb, for each part in turn: the first product written,
+//     then += over (query head of the part, q block) ascending, then added
+//     to dk_acc / dv_acc (part 0's written there when the call writes its
+//     accumulators: GradientSums);
+//   dQ tile of (h, qb): likewise over kvb ascending, then added to (or
+//     written into) dq_acc.
 // Two schedules realise exactly these operation sequences:
 //   one pass: tasks (batch, kv head, part) walk groups of up to four kv
 //     blocks (KvBlocks), then the part's heads, then q blocks, each q tile
-//     serving the group's kv tiles in kvb order, with the part's dQ tiles in
-//     a per-task scratch; each tile computed once. Part 0 adds its dK/dV
+//     serving the group's kv tiles in kvb order, with the dQ tiles in
+//     per-worker scratch (DqTiles: taken at a q tile's first kv tile, added
+//     after its last); each tile computed once. Part 0 adds its dK/dV
 //     tiles to the accumulators as it goes; later parts keep theirs in
 //     per-part buffers, added in part order once every task is done (with
 //     one worker, which runs the parts in order, they add theirs as they go
@@ -382,23 +386,131 @@ void CountTile(BlockKind kind, const Geometry& g, int64_t m, int64_t n, WorkerSt
   st.flops += 2 * m * n * (3 * g.d + 2 * g.dv);
 }
 
-void AddKvTile(const Geometry& g, int64_t b, int64_t kh, int64_t kvb, const float* dk,
-               const float* dv, float* dk_acc, float* dv_acc) {
-  for (int64_t j = 0; j < g.KvRows(kvb); ++j) {
-    const int64_t row = (b * g.skv + kvb * g.bkv + j) * g.hkv + kh;
-    float* dk_row = dk_acc + row * g.d;
-    float* dv_row = dv_acc + row * g.dv;
-    for (int64_t x = 0; x < g.d; ++x) dk_row[x] += dk[j * g.ld_d + x];
-    for (int64_t x = 0; x < g.dv; ++x) dv_row[x] += dv[j * g.ld_dv + x];
+// The accumulators (FlashBackward) and what is done with their contents.
+// Their tiles are summed in scratch first and added (or written) once: the
+// products adding straight into rows Heads x D apart ran 2-6 % slower
+// (docs/PERFORMANCE.md, "Design measurements").
+struct Accumulators {
+  float* dq;  // [B, Sq, H, D]
+  float* dk;  // [B, Skv, Hkv, D]
+  float* dv;  // [B, Skv, Hkv, Dv]
+  GradientSums sums;
+};
+
+// `cols` values of `rows` rows of a tile (ld_src apart) into rows of an
+// accumulator (ld_dst apart): added, or with add = false written; a null
+// tile (nothing computed) leaves them, or without add zeroes them.
+void AddRows(float* dst, int64_t ld_dst, const float* tile, int64_t ld_src, int64_t rows,
+             int64_t cols, bool add) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float* d = dst + r * ld_dst;
+    if (tile == nullptr) {
+      if (!add) std::fill_n(d, cols, 0.0f);
+      continue;
+    }
+    const float* t = tile + r * ld_src;
+    if (add) {
+      for (int64_t x = 0; x < cols; ++x) d[x] += t[x];
+    } else {
+      std::copy_n(t, cols, d);
+    }
   }
 }
 
-void AddQTile(const Geometry& g, int64_t b, int64_t h, int64_t qb, const float* dq, float* dq_acc) {
-  for (int64_t i = 0; i < g.QRows(qb); ++i) {
-    float* dq_row = dq_acc + ((b * g.sq + qb * g.bq + i) * g.h + h) * g.d;
-    for (int64_t x = 0; x < g.d; ++x) dq_row[x] += dq[i * g.ld_d + x];
-  }
+// The dK/dV tiles of (b, kh, kvb) into the accumulators; add: false for
+// the first part's tiles when the call writes its accumulators.
+void AddKvTile(const Geometry& g, int64_t b, int64_t kh, int64_t kvb, const float* dk,
+               const float* dv, const Accumulators& acc, bool add) {
+  const int64_t row = (b * g.skv + kvb * g.bkv) * g.hkv + kh;
+  AddRows(acc.dk + row * g.d, g.hkv * g.d, dk, g.ld_d, g.KvRows(kvb), g.d, add);
+  AddRows(acc.dv + row * g.dv, g.hkv * g.dv, dv, g.ld_dv, g.KvRows(kvb), g.dv, add);
 }
+
+// The dQ tile of (b, h, qb) (null: no kv tile wrote one) into dq.
+void AddQTile(const Geometry& g, int64_t b, int64_t h, int64_t qb, const float* dq,
+              const Accumulators& acc) {
+  const int64_t row = (b * g.sq + qb * g.bq) * g.h + h;
+  AddRows(acc.dq + row * g.d, g.h * g.d, dq, g.ld_d, g.QRows(qb), g.d, acc.sums.add_dq);
+}
+
+// One worker's dQ tiles of the one-pass schedule, [bq][ld_d] each: a q tile
+// takes one when its first kv tile is computed and gives it back once the
+// last kv tile its row of the mask has (`Last`) is done, so a sliding window
+// keeps the few tiles it is working on (in L2) instead of a whole task's
+// (16 MiB at S = 32768, D = 128: fresh memory every call, page faults, and
+// read again from DRAM at the end: ~10 % of a window backward).
+class DqTiles {
+ public:
+  // For task (b, kh, part) of `heads` query heads from h0: the last kv
+  // block of every (head, q block) in the column map (-1: none).
+  void Start(const Geometry& g, const TilePlan& cols, int64_t h0, int64_t heads) {
+    h0_ = h0;
+    nqb_ = g.nqb;
+    last_.assign(static_cast<size_t>(heads * g.nqb), -1);
+    slot_.assign(static_cast<size_t>(heads * g.nqb), kNone);
+    open_.clear();
+    for (int64_t h = h0; h < h0 + heads; ++h) {
+      for (int64_t kvb = 0; kvb < g.nkvb; ++kvb) {
+        for (const mask::BlockRun& run : cols.map().Runs(h, kvb)) {
+          for (int64_t qb = run.begin; qb < run.end; ++qb) last_[At(h, qb)] = kvb;
+        }
+      }
+    }
+  }
+  // The tile of (h, qb) and whether it was written before (else the caller
+  // writes it whole).
+  float* Get(const Geometry& g, int64_t h, int64_t qb, bool* written) {
+    int32_t& slot = slot_[At(h, qb)];
+    *written = slot != kNone;
+    if (slot == kNone) {
+      if (free_.empty()) {
+        free_.push_back(static_cast<int32_t>(tiles_.size()));
+        tiles_.emplace_back(static_cast<size_t>(g.bq * g.ld_d));
+      }
+      slot = free_.back();
+      free_.pop_back();
+      open_.push_back(At(h, qb));
+    }
+    return tiles_[static_cast<size_t>(slot)].data();
+  }
+  // Adds every open tile whose last kv block is below `kvb_end` to the
+  // accumulator and frees its slot; all of them with kvb_end = nkvb.
+  void Finish(const Geometry& g, int64_t b, int64_t kvb_end, const Accumulators& acc) {
+    size_t kept = 0;
+    for (const size_t at : open_) {
+      if (last_[at] >= kvb_end) {
+        open_[kept++] = at;
+        continue;
+      }
+      const int64_t h = h0_ + static_cast<int64_t>(at) / nqb_, qb = static_cast<int64_t>(at) % nqb_;
+      int32_t& slot = slot_[at];
+      AddQTile(g, b, h, qb, tiles_[static_cast<size_t>(slot)].data(), acc);
+      free_.push_back(slot);
+      slot = kDone;
+    }
+    open_.resize(kept);
+  }
+  // Zeroes (unless dQ is added to) the tiles no kv tile wrote.
+  void ZeroUnwritten(const Geometry& g, int64_t b, const Accumulators& acc) const {
+    if (acc.sums.add_dq) return;
+    for (size_t at = 0; at < slot_.size(); ++at) {
+      if (slot_[at] != kNone) continue;
+      AddQTile(g, b, h0_ + static_cast<int64_t>(at) / nqb_, static_cast<int64_t>(at) % nqb_,
+               nullptr, acc);
+    }
+  }
+
+ private:
+  static constexpr int32_t kNone = -1, kDone = -2;
+  size_t At(int64_t h, int64_t qb) const { return static_cast<size_t>((h - h0_) * nqb_ + qb); }
+
+  int64_t h0_ = 0, nqb_ = 0;
+  std::vector<int64_t> last_;
+  std::vector<int32_t> slot_;  // per (head, q block): a tile, kNone, or kDone (added)
+  std::vector<size_t> open_;   // (head, q block)s holding a tile
+  std::vector<int32_t> free_;
+  std::vector<AlignedBuffer<float>> tiles_;
+};
 
 // dK/dV of the nk <= kKvGroup kv tiles (b, kh, kvb0 + i) over the query
 // heads of `part` (per_part heads) and every q block of the column map, into
@@ -479,9 +591,17 @@ void KvBlocks(const Context& c, const TilePlan& cols, int64_t b, int64_t kh, int
 
 void FlashBackward(const FlashParams& p, ThreadPool& pool, const TensorView& dout, const float* lse,
                    const float* delta, float* dq_acc, float* dk_acc, float* dv_acc,
-                   KernelStats* stats) {
+                   const GradientSums& sums, KernelStats* stats) {
   const Geometry g = Geometry::Of(p);
-  if (g.b == 0 || g.sq == 0 || g.h == 0 || g.skv == 0) return;
+  const Accumulators acc{dq_acc, dk_acc, dv_acc, sums};
+  if (g.b == 0 || g.sq == 0 || g.h == 0 || g.skv == 0) {
+    if (!sums.add_dq) std::fill_n(dq_acc, g.b * g.sq * g.h * g.d, 0.0f);
+    if (!sums.add_dkv) {
+      std::fill_n(dk_acc, g.b * g.skv * g.hkv * g.d, 0.0f);
+      std::fill_n(dv_acc, g.b * g.skv * g.hkv * g.dv, 0.0f);
+    }
+    return;
+  }
   const micro::MicroKernels& mk = micro::MicroKernelsFor(p.path);
   const bool capped = p.softcap > 0.0f;
   const bool tile_products = TileProducts(p, dout, mk);
@@ -498,10 +618,7 @@ void FlashBackward(const FlashParams& p, ThreadPool& pool, const TensorView& dou
   const int64_t per_part = g.group / parts;
   if (BackwardInOnePass(g, pool.size())) {
     const Context c{p, g, mk, cols, qs, kv, lse, delta, tile_products};
-    // dQ tiles of the task's heads: [per_part][nqb][bq][ld_d], one per worker.
-    const int64_t dq_elems = per_part * g.nqb * g.bq * g.ld_d;
-    std::vector<AlignedBuffer<float>> dq(static_cast<size_t>(pool.size()));
-    std::vector<std::vector<char>> dq_written_of(static_cast<size_t>(pool.size()));
+    std::vector<DqTiles> dq(static_cast<size_t>(pool.size()));
     // dK/dV tiles of parts 1 .. parts-1 per (b, kh): [nkvb][bkv][ld_d] and
     // [nkvb][bkv][ld_dv] each (part 0 adds its tiles to the accumulators).
     // One worker runs the tasks in order, parts of a (b, kh) one after the
@@ -521,17 +638,11 @@ void FlashBackward(const FlashParams& p, ThreadPool& pool, const TensorView& dou
       const int64_t part = task % parts, kh = (task / parts) % g.hkv, b = task / (parts * g.hkv);
       Workspace& ws = Workspace::ForThisThread(g, capped, tile_products);
       WorkerStats& st = wstats[static_cast<size_t>(worker)];
-      AlignedBuffer<float>& dqs = dq[static_cast<size_t>(worker)];
-      if (dqs.size() == 0) dqs.Resize(static_cast<size_t>(dq_elems), /*zero=*/false);
       // dQ tiles are written by their first computed tile (no zeroing pass)
-      // and only written ones are added to dq_acc.
-      std::vector<char>& dq_written = dq_written_of[static_cast<size_t>(worker)];
-      dq_written.assign(static_cast<size_t>(per_part * g.nqb), 0);
+      // and added to dq_acc once complete.
+      DqTiles& dqs = dq[static_cast<size_t>(worker)];
       const int64_t h0 = kh * g.group + part * per_part;
-      auto dq_at = [&](int64_t h, int64_t qb) { return (h - h0) * g.nqb + qb; };
-      auto dq_tile = [&](int64_t h, int64_t qb) {
-        return dqs.data() + dq_at(h, qb) * g.bq * g.ld_d;
-      };
+      dqs.Start(g, cols, h0, per_part);
       const bool direct = part == 0 || in_order;
       for (int64_t kvb0 = 0; kvb0 < g.nkvb; kvb0 += group) {
         const int64_t nk = std::min(group, g.nkvb - kvb0);
@@ -545,22 +656,20 @@ void FlashBackward(const FlashParams& p, ThreadPool& pool, const TensorView& dou
                  dk, dv,
                  [&](int64_t h, int64_t qb, int64_t kvb, int64_t slot, BlockKind kind,
                      const KvTile& kvt) {
-                   char& seen = dq_written[static_cast<size_t>(dq_at(h, qb))];
-                   AccumulateQ(c, kvt, qb, kvb, slot, dq_tile(h, qb), ws, /*accumulate=*/seen != 0);
-                   seen = 1;
+                   bool seen = false;
+                   float* tile = dqs.Get(g, h, qb, &seen);
+                   AccumulateQ(c, kvt, qb, kvb, slot, tile, ws, /*accumulate=*/seen);
                    CountTile(kind, g, g.QRows(qb), g.KvRows(kvb), st);
                  });
+        dqs.Finish(g, b, kvb0 + nk, acc);
         if (!direct) continue;
-        for (int64_t i = 0; i < nk; ++i)
-          AddKvTile(g, b, kh, kvb0 + i, dk[i], dv[i], dk_acc, dv_acc);
-      }
-      for (int64_t h = h0; h < h0 + per_part; ++h) {
-        for (int64_t qb = 0; qb < g.nqb; ++qb) {
-          if (dq_written[static_cast<size_t>(dq_at(h, qb))] != 0) {
-            AddQTile(g, b, h, qb, dq_tile(h, qb), dq_acc);
-          }
+        // Part 0 writes (or adds to) the accumulators; with one worker the
+        // later parts, run right after it, add to them.
+        for (int64_t i = 0; i < nk; ++i) {
+          AddKvTile(g, b, kh, kvb0 + i, dk[i], dv[i], acc, part > 0 || sums.add_dkv);
         }
       }
+      dqs.ZeroUnwritten(g, b, acc);
     });
     if (parts > 1 && !in_order) {
       pool.ParallelFor(g.b * g.hkv * g.nkvb, [&](int64_t task, int) {
@@ -568,7 +677,7 @@ void FlashBackward(const FlashParams& p, ThreadPool& pool, const TensorView& dou
         const int64_t b = task / (g.nkvb * g.hkv);
         for (int64_t part = 1; part < parts; ++part) {
           const float* dk = later_tile(b, kh, part, kvb);
-          AddKvTile(g, b, kh, kvb, dk, dk + g.bkv * g.ld_d, dk_acc, dv_acc);
+          AddKvTile(g, b, kh, kvb, dk, dk + g.bkv * g.ld_d, acc, /*add=*/true);
         }
       });
     }
@@ -592,7 +701,7 @@ void FlashBackward(const FlashParams& p, ThreadPool& pool, const TensorView& dou
                    CountTile(kind, g, g.QRows(qb), g.KvRows(kvb), st);
                    st.flops -= 2 * g.QRows(qb) * g.KvRows(kvb) * g.d;  // no dQ product here
                  });
-        AddKvTile(g, b, kh, kvb, dk, dv, dk_acc, dv_acc);
+        AddKvTile(g, b, kh, kvb, dk, dv, acc, /*add=*/part > 0 || sums.add_dkv);
       }
     });
   }
@@ -619,7 +728,7 @@ void FlashBackward(const FlashParams& p, ThreadPool& pool, const TensorView& dou
           st.flops += 2 * g.QRows(qb) * g.KvRows(kvb) * (2 * g.d + g.dv);
         }
       }
-      if (written) AddQTile(g, b, h, qb, dq, dq_acc);
+      AddQTile(g, b, h, qb, written ? dq : nullptr, acc);
     });
   }
   AddStats(wstats, stats);

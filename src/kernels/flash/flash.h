@@ -82,16 +82,26 @@ struct Bf16Out {
 bool FlashForwardBf16Out(const FlashParams& p, ThreadPool& pool, const Bf16Out& out, float* lse,
                          KernelStats* stats);
 
-// Backward contribution of this (q, k/v) pair, ACCUMULATED (+=) into f32
-// contiguous buffers, so the ring can add step after step:
+// What FlashBackward does with the contents of its accumulators: ADD (+=)
+// to them, so the ring can add step after step, or WRITE them whole (every
+// element, zeros where no pair contributes; the old contents are never
+// read), which spares a caller zeroing them first — a pass over memory the
+// kernel then writes anyway.
+struct GradientSums {
+  bool add_dq = true;   // dq_acc
+  bool add_dkv = true;  // dk_acc and dv_acc
+};
+
+// Backward contribution of this (q, k/v) pair into f32 contiguous buffers
 //   dq_acc [B, Sq, H, D], dk_acc [B, Skv, Hkv, D], dv_acc [B, Skv, Hkv, Dv]
+// (added or written: `sums`).
 // dout [B, Sq, H, Dv] (dtype of q or f32, any strides); lse [B, H, Sq] is the
 // FINAL lse (all k/v and sinks); delta [B, H, Sq] = rowsum(dout * out) (f32).
 // dk/dv sum over every query head of a group. Race-free and deterministic:
 // no float atomics; the result does not depend on the thread count.
 void FlashBackward(const FlashParams& p, ThreadPool& pool, const TensorView& dout, const float* lse,
                    const float* delta, float* dq_acc, float* dk_acc, float* dv_acc,
-                   KernelStats* stats);
+                   const GradientSums& sums, KernelStats* stats);
 
 }  // namespace ringsplash::kernels
 
