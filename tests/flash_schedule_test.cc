@@ -196,6 +196,35 @@ TEST(FlashTest, BackwardHeadPartsMatchReferenceOnAnyThreadCount) {
   EXPECT_EQ(r.bwd_stats.flops, tiles * 2 * 16 * 16 * (3.0 * 16 + 2.0 * 16));
 }
 
+// Gradients written whole into accumulators larger than the caches (>= 16
+// MiB: 6.3 M floats here) go out with non-temporal stores. Written into
+// buffers full of NaN, they must equal the gradients added to 0.5 (ordinary
+// stores) within the bound of the test above, with nothing left unwritten.
+// A narrow window keeps the long sequence cheap.
+TEST(FlashTest, StreamedGradientsAreWrittenWhole) {
+  ProblemSpec spec(1, 65536, 65536, 1, 1, 32, 32);
+  Problem prob(740, spec);
+  for (KernelPath path : SupportedKernelPaths()) {
+    RunConfig s;
+    s.path = path;
+    s.mask = Mask::Causal() & Mask::Local(40, std::nullopt);
+    s.blocks = {32, 32};
+    const Result written = prob.Run(s, true);
+    s.add_gradients = true;
+    const Result added = prob.Run(s, true);
+    for (auto [a, w] :
+         {std::pair{&added.dq, &written.dq}, {&added.dk, &written.dk}, {&added.dv, &written.dv}}) {
+      double largest = 0;
+      for (float x : *w) largest = std::max(largest, std::abs(double{x}));
+      const double bound = 32 * std::ldexp(0.5 + largest, -24);
+      for (size_t e = 0; e < w->size(); ++e) {
+        ASSERT_LE(std::abs(double{(*a)[e]} - (*w)[e]), bound)
+            << KernelPathName(path) << " element " << e;
+      }
+    }
+  }
+}
+
 // The one-pass backward computes a group of up to four kv tiles per pass
 // over the q tiles (kKvGroup in flash/backward.cc), walking the tiles' runs
 // of q blocks together; the two-pass schedule takes one kv tile at a time.

@@ -46,6 +46,7 @@
 #include <vector>
 
 #include "src/kernels/flash/flash.h"
+#include "src/kernels/flash/rows.h"
 #include "src/kernels/flash/schedule.h"
 #include "src/kernels/micro/micro.h"
 #include "src/kernels/tiling/pack.h"
@@ -395,13 +396,17 @@ struct Accumulators {
   float* dk;  // [B, Skv, Hkv, D]
   float* dv;  // [B, Skv, Hkv, Dv]
   GradientSums sums;
+  // Written values go out with non-temporal stores (ScaleRow): accumulators
+  // larger than the caches are not read again by the kernel.
+  bool stream;
 };
 
 // `cols` values of `rows` rows of a tile (ld_src apart) into rows of an
-// accumulator (ld_dst apart): added, or with add = false written; a null
-// tile (nothing computed) leaves them, or without add zeroes them.
+// accumulator (ld_dst apart): added, or with add = false written (streamed
+// with `stream`); a null tile (nothing computed) leaves them, or without add
+// zeroes them.
 void AddRows(float* dst, int64_t ld_dst, const float* tile, int64_t ld_src, int64_t rows,
-             int64_t cols, bool add) {
+             int64_t cols, bool add, bool stream) {
   for (int64_t r = 0; r < rows; ++r) {
     float* d = dst + r * ld_dst;
     if (tile == nullptr) {
@@ -412,7 +417,7 @@ void AddRows(float* dst, int64_t ld_dst, const float* tile, int64_t ld_src, int6
     if (add) {
       for (int64_t x = 0; x < cols; ++x) d[x] += t[x];
     } else {
-      std::copy_n(t, cols, d);
+      ScaleRow(d, t, cols, 1.0f, stream);
     }
   }
 }
@@ -422,15 +427,15 @@ void AddRows(float* dst, int64_t ld_dst, const float* tile, int64_t ld_src, int6
 void AddKvTile(const Geometry& g, int64_t b, int64_t kh, int64_t kvb, const float* dk,
                const float* dv, const Accumulators& acc, bool add) {
   const int64_t row = (b * g.skv + kvb * g.bkv) * g.hkv + kh;
-  AddRows(acc.dk + row * g.d, g.hkv * g.d, dk, g.ld_d, g.KvRows(kvb), g.d, add);
-  AddRows(acc.dv + row * g.dv, g.hkv * g.dv, dv, g.ld_dv, g.KvRows(kvb), g.dv, add);
+  AddRows(acc.dk + row * g.d, g.hkv * g.d, dk, g.ld_d, g.KvRows(kvb), g.d, add, acc.stream);
+  AddRows(acc.dv + row * g.dv, g.hkv * g.dv, dv, g.ld_dv, g.KvRows(kvb), g.dv, add, acc.stream);
 }
 
 // The dQ tile of (b, h, qb) (null: no kv tile wrote one) into dq.
 void AddQTile(const Geometry& g, int64_t b, int64_t h, int64_t qb, const float* dq,
               const Accumulators& acc) {
   const int64_t row = (b * g.sq + qb * g.bq) * g.h + h;
-  AddRows(acc.dq + row * g.d, g.h * g.d, dq, g.ld_d, g.QRows(qb), g.d, acc.sums.add_dq);
+  AddRows(acc.dq + row * g.d, g.h * g.d, dq, g.ld_d, g.QRows(qb), g.d, acc.sums.add_dq, acc.stream);
 }
 
 // One worker's dQ tiles of the one-pass schedule, [bq][ld_d] each: a q tile
@@ -593,7 +598,9 @@ void FlashBackward(const FlashParams& p, ThreadPool& pool, const TensorView& dou
                    const float* delta, float* dq_acc, float* dk_acc, float* dv_acc,
                    const GradientSums& sums, KernelStats* stats) {
   const Geometry g = Geometry::Of(p);
-  const Accumulators acc{dq_acc, dk_acc, dv_acc, sums};
+  const Accumulators acc{
+      dq_acc, dk_acc, dv_acc, sums,
+      g.b * (g.sq * g.h * g.d + g.skv * g.hkv * (g.d + g.dv)) >= kStreamMinFloats};
   if (g.b == 0 || g.sq == 0 || g.h == 0 || g.skv == 0) {
     if (!sums.add_dq) std::fill_n(dq_acc, g.b * g.sq * g.h * g.d, 0.0f);
     if (!sums.add_dkv) {
@@ -670,6 +677,7 @@ void FlashBackward(const FlashParams& p, ThreadPool& pool, const TensorView& dou
         }
       }
       dqs.ZeroUnwritten(g, b, acc);
+      if (acc.stream) StreamFence();
     });
     if (parts > 1 && !in_order) {
       pool.ParallelFor(g.b * g.hkv * g.nkvb, [&](int64_t task, int) {
@@ -703,6 +711,7 @@ void FlashBackward(const FlashParams& p, ThreadPool& pool, const TensorView& dou
                  });
         AddKvTile(g, b, kh, kvb, dk, dv, acc, /*add=*/part > 0 || sums.add_dkv);
       }
+      if (acc.stream) StreamFence();
     });
   }
   {  // Pass 2: dQ (recomputes S and dP: FLOPs only).
@@ -729,6 +738,7 @@ void FlashBackward(const FlashParams& p, ThreadPool& pool, const TensorView& dou
         }
       }
       AddQTile(g, b, h, qb, written ? dq : nullptr, acc);
+      if (acc.stream) StreamFence();
     });
   }
   AddStats(wstats, stats);

@@ -57,7 +57,6 @@ using mask::BlockKind;
 using micro::RoundUp;
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-constexpr int64_t kStreamMinFloats = int64_t{4} << 20;  // 16 MiB of output
 
 // The bf16 product path: K Q^T with vdpbf16ps or AMX tiles on bf16 operands
 // (bf16 inputs only, so nothing is rounded that was not already bf16); the

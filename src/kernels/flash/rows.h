@@ -27,6 +27,9 @@ void ScaleRow(float* dst, const float* src, int64_t n, float s, bool stream);
 // Orders ScaleRow's non-temporal stores before the task's results are used.
 void StreamFence();
 
+// Outputs from this many floats on (16 MiB) are written with `stream`.
+inline constexpr int64_t kStreamMinFloats = int64_t{4} << 20;
+
 // Where FinishRows writes out rows: f32 (`f32`, contiguous, merged into when
 // merging), or, not merging, bf16 (`bf16.data`, f32 null, with its strides
 // and sinks); `overflow` is set if a finite value rounded to a bf16 infinity.
