@@ -15,10 +15,11 @@
 // it directly (no scratch, no copy): validation refused outputs that share
 // memory with an input or another output (the backward writes dq/dk/dv
 // while it reads q, k, v and dout).
-// Non-finite inputs (src/kernels/poison.h): the forward's kernel checks the
-// rows it reads, the backward scans its inputs once; only when either finds
-// something do the kernels run on cleaned copies, after which the rows that
-// depend on a poisoned input are overwritten with NaN.
+// Non-finite inputs (src/kernels/poison.h): the kernels check the q, k and v
+// rows they read (the backward's delta and lse show a non-finite out, dout
+// or lse); only when something is found do they run again, on cleaned
+// copies, after which the rows that depend on a poisoned input are
+// overwritten with NaN.
 #include "ringsplash/attention.h"
 
 #include <atomic>
@@ -262,6 +263,33 @@ void AttentionForward(const AttentionInputs& in, const AttentionOptions& opt, Te
   if (stats != nullptr) *stats = local;
 }
 
+namespace {
+
+// lse as the kernels read it, contiguous f32 [B, H, Sq]: the caller's own
+// when it is, else converted into `copy`.
+float* LseF32(const TensorView& lse, const AttentionDims& dims, Tensor& copy) {
+  if (IsF32Contiguous(lse)) return static_cast<float*>(lse.data);
+  copy = Tensor(DType::kF32, {dims.b, dims.h, dims.sq});
+  CopyConvert(lse, copy.view());
+  return copy.data_as<float>();
+}
+
+// Whether delta and lse are free of what a non-finite out, dout or lse
+// leaves: a NaN or infinity anywhere in a row of out or dout makes its
+// delta one (products and sums keep them), and lse is NaN or +inf only
+// when poisoned (-inf is an empty row).
+bool DeltaAndLseFinite(const std::vector<float>& delta, const float* lse32) {
+  for (size_t r = 0; r < delta.size(); ++r) {
+    if (!std::isfinite(delta[r]) || std::isnan(lse32[r]) ||
+        lse32[r] == std::numeric_limits<float>::infinity()) {
+      return false;
+    }
+  }
+  return true;
+}
+
+}  // namespace
+
 void AttentionBackward(const AttentionInputs& in, const AttentionOptions& opt, TensorView out,
                        TensorView lse, TensorView dout, TensorView dq, TensorView dk, TensorView dv,
                        TensorView dsinks, KernelStats* stats) {
@@ -270,28 +298,75 @@ void AttentionBackward(const AttentionInputs& in, const AttentionOptions& opt, T
   Prepared pr;
   Prepare(in, opt, dims, pr);
   PoolLease lease(opt.num_threads);  // the input scans use it too
+  const auto rows = static_cast<size_t>(dims.b * dims.h * dims.sq);
+  std::vector<float> delta(rows);
+  Tensor lse_copy;
+  // Written whole by the kernel (GradientSums: nothing added): no zeroing.
+  F32Buffer dq32(dq, {dims.b, dims.sq, dims.h, dims.d}, "dq");
+  F32Buffer dk32(dk, {dims.b, dims.skv, dims.hkv, dims.d}, "dk");
+  F32Buffer dv32(dv, {dims.b, dims.skv, dims.hkv, dims.dv}, "dv");
+  const kernels::GradientSums written{.add_dq = false, .add_dkv = false};
+  KernelStats local;
+  // Writes the results; `poison` (null when nothing is poisoned) overwrites
+  // the rows that depend on a non-finite input.
+  auto finish = [&](const float* lse32, const kernels::BackwardPoison* poison,
+                    const kernels::PairRule& rule) {
+    if (poison != nullptr) {
+      poison->FillKeys(rule, dk32.get(), dv32.get());
+      poison->FillQueries(dq32.get());
+    }
+    dq32.Finish();
+    dk32.Finish();
+    dv32.Finish();
+    if (!pr.sinks.empty()) {
+      std::vector<float> ds(static_cast<size_t>(dims.h), 0.0f);
+      kernels::AccumulateDSinks(RowShapeOf(dims), pr.sinks.data(), lse32, delta.data(), ds.data());
+      if (poison != nullptr) poison->FillDSinks(ds.data());
+      for (int64_t h = 0; h < dims.h; ++h) StoreFromF32(dsinks, h * dsinks.stride[0], ds[h]);
+    }
+    if (stats != nullptr) *stats = local;
+  };
+  const kernels::PairRule rule = RuleOf(in, opt, pr);
+
+  // delta [B, H, Sq] = rowsum(dout * out), from the caller's (possibly
+  // rounded) out — the quantity the softmax backward needs for that out.
+  // First the normal case (poison.h): delta and lse show any non-finite
+  // out, dout or lse, and the kernel checks the q, k and v rows it reads
+  // (FlashParams::non_finite) — no separate pass over five inputs (4 % of a
+  // sliding-window backward). Only if something is met does the call run
+  // again below, scanning and cleaning its inputs.
+  {
+    kernels::ComputeDelta(dout, out, delta.data());
+    const float* lse32 = LseF32(lse, dims, lse_copy);
+    if (DeltaAndLseFinite(delta, lse32)) {
+      std::atomic<bool> met{false};
+      kernels::FlashParams params = pr.params;
+      params.non_finite = &met;
+      kernels::FlashBackward(params, lease.pool(), dout, lse32, delta.data(), dq32.get(),
+                             dk32.get(), dv32.get(), written, &local);
+      if (!met.load()) {
+        finish(lse32, nullptr, rule);
+        return;
+      }
+      local = KernelStats();
+    }
+  }
+
   // Non-finite inputs (poison.h): the forward's dependencies are recomputed
   // from q, k and v (this call sees every key), the rest follows from out,
   // lse and dout.
   kernels::ForwardPoison forward_poison(dims, in.q, &lease.pool());
   const kernels::KeyValueScan kv(in.k, in.v, &lease.pool());
-  const kernels::PairRule rule = RuleOf(in, opt, pr);
   forward_poison.AddKeys(rule, kv.flags());
   const kernels::BackwardPoison poison(dims, in.q, out, lse, dout, &lease.pool(), &forward_poison);
   pr.params.q = poison.q();
   pr.params.k = kv.k();
   pr.params.v = kv.v();
   dout = poison.dout();
-
-  // delta [B, H, Sq] = rowsum(dout * out), from the caller's (possibly
-  // rounded) out — the quantity the softmax backward needs for that out.
-  const auto rows = static_cast<size_t>(dims.b * dims.h * dims.sq);
-  std::vector<float> delta(rows);
   kernels::ComputeDelta(dout, out, delta.data());
 
   // The kernels read lse as contiguous f32 [B, H, Sq]; poisoned rows and
   // non-finite deltas are neutralised there (BackwardPoison::Sanitize).
-  Tensor lse_copy;
   const float* lse32 = static_cast<const float*>(lse.data);
   if (!IsF32Contiguous(lse) || poison.any()) {
     lse_copy = Tensor(DType::kF32, {dims.b, dims.h, dims.sq});
@@ -299,28 +374,9 @@ void AttentionBackward(const AttentionInputs& in, const AttentionOptions& opt, T
     poison.Sanitize(lse_copy.data_as<float>(), delta.data());
     lse32 = lse_copy.data_as<float>();
   }
-
-  // Written whole by the kernel (accumulate = false): no zeroing first.
-  F32Buffer dq32(dq, {dims.b, dims.sq, dims.h, dims.d}, "dq");
-  F32Buffer dk32(dk, {dims.b, dims.skv, dims.hkv, dims.d}, "dk");
-  F32Buffer dv32(dv, {dims.b, dims.skv, dims.hkv, dims.dv}, "dv");
-  KernelStats local;
   kernels::FlashBackward(pr.params, lease.pool(), dout, lse32, delta.data(), dq32.get(), dk32.get(),
-                         dv32.get(), kernels::GradientSums{.add_dq = false, .add_dkv = false},
-                         &local);
-  poison.FillKeys(rule, dk32.get(), dv32.get());
-  poison.FillQueries(dq32.get());
-  dq32.Finish();
-  dk32.Finish();
-  dv32.Finish();
-
-  if (!pr.sinks.empty()) {
-    std::vector<float> ds(static_cast<size_t>(dims.h), 0.0f);
-    kernels::AccumulateDSinks(RowShapeOf(dims), pr.sinks.data(), lse32, delta.data(), ds.data());
-    poison.FillDSinks(ds.data());
-    for (int64_t h = 0; h < dims.h; ++h) StoreFromF32(dsinks, h * dsinks.stride[0], ds[h]);
-  }
-  if (stats != nullptr) *stats = local;
+                         dv32.get(), written, &local);
+  finish(lse32, &poison, rule);
 }
 
 }  // namespace ringsplash

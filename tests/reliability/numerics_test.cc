@@ -151,6 +151,15 @@ std::vector<PoisonCase> PoisonCases() {
          SetRow(in.q, 0, 40, 0, kNaN);
          SetRow(in.q, 0, 41, 1, kInf);
        }},
+      // Keys 46.. pair with no query (row 95 sees keys <= 45) but share a
+      // computed tile with key 45: only the kernels' own check of the k/v
+      // rows they read can catch these (no out, lse or delta shows them).
+      {"Inf k and NaN v rows without any allowed key pair (inside partial tiles)",
+       Mask::Causal(-50), false, false,
+       [](OwnedInputs& in, Tensor&) {
+         SetRow(in.k, 0, 46, 1, kInf);
+         SetRow(in.v, 0, 47, 0, kNaN);
+       }},
   };
 }
 

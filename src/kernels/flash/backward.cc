@@ -40,6 +40,7 @@
 //     same inputs (bit-identical).
 // So results are bitwise the same for every thread count.
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <limits>
 #include <span>
@@ -49,6 +50,7 @@
 #include "src/kernels/flash/rows.h"
 #include "src/kernels/flash/schedule.h"
 #include "src/kernels/micro/micro.h"
+#include "src/kernels/poison.h"
 #include "src/kernels/tiling/pack.h"
 #include "src/kernels/tiling/tiles.h"
 
@@ -163,6 +165,10 @@ class QSide {
     float* dot = qt + qt_elems_;
     float* q = dot + dot_elems_;
     float* dout = q + q_elems_;
+    // FlashParams::non_finite: each q row is checked as its tile is packed
+    // (dout and out were checked by the caller's delta: a NaN or infinity in
+    // either makes that row's delta one).
+    if (p_.non_finite != nullptr && AnyNonFinite(p_.q, b, r0, m, h)) p_.non_finite->store(true);
     PackTransposed(mk_, p_.q, b, h, r0, m, qt, g_.ld_q);
     PackTransposed(mk_, dout_, b, h, r0, m, dot, g_.ld_q);
     PackRowsF32(Slab{&p_.q, b, h, r0, m, g_.d}, q, g_.ld_d, m);
@@ -255,6 +261,24 @@ struct Context {
   // BackwardTile's epilogues; dV, dK and dQ from bf16 P^T and dS^T
   // (GradOperandsBf16Fn).
   bool tile_products;
+  // FlashParams::non_finite: kv tiles read in place are checked once each
+  // (claimed by their first user), copied ones as they are copied.
+  std::vector<std::atomic<bool>>* kv_checked;
+
+  // K and V rows of kv tile (b, kh, kvb), through the thread's copies.
+  KvTile Fetch(Workspace& ws, int64_t b, int64_t kh, int64_t kvb) const {
+    if (p.non_finite == nullptr) return ws.kv_cache.Get(kv, mk, b, kh, kvb);
+    if (!kv.tile_cache() &&
+        !(*kv_checked)[static_cast<size_t>((b * g.hkv + kh) * g.nkvb + kvb)].exchange(
+            true, std::memory_order_relaxed) &&
+        kv.NonFinite(p, b, kh, kvb)) {
+      p.non_finite->store(true);
+    }
+    bool bad = false;
+    const KvTile kvt = ws.kv_cache.Get(kv, mk, b, kh, kvb, &bad);
+    if (bad) p.non_finite->store(true);
+    return kvt;
+  }
 };
 
 // Whether this call computes its products on tiles (Context).
@@ -540,7 +564,7 @@ void KvBlocks(const Context& c, const TilePlan& cols, int64_t b, int64_t kh, int
   bool written[kKvGroup] = {};
   for (int64_t i = 0; i < nk; ++i) {
     const int64_t kvb = kvb0 + i;
-    kvt[i] = ws.kv_cache.Get(c.kv, c.mk, b, kh, kvb);
+    kvt[i] = c.Fetch(ws, b, kh, kvb);
     if (!kv_ready) KvToBf16(c, b, kh, kvb, uses, ws, i);
   }
   constexpr int64_t kNone = std::numeric_limits<int64_t>::max();
@@ -618,13 +642,16 @@ void FlashBackward(const FlashParams& p, ThreadPool& pool, const TensorView& dou
   // from the tensor: no f32 copies of either.
   const KvRows kv(p, g,
                   tile_products ? KvRows::KeyFormat::kBf16Tiles : KvRows::KeyFormat::kF32Padded,
-                  cols.UsesPerKvTile(), pool, /*tile_cache=*/true);
+                  cols.UsesPerKvTile(), pool, /*tile_cache=*/true,
+                  p.non_finite != nullptr ? &mk : nullptr);
+  std::vector<std::atomic<bool>> kv_checked(
+      p.non_finite != nullptr ? static_cast<size_t>(g.b * g.hkv * g.nkvb) : 0);
   std::vector<WorkerStats> wstats(static_cast<size_t>(pool.size()));
 
   const int64_t parts = BackwardHeadParts(g);
   const int64_t per_part = g.group / parts;
   if (BackwardInOnePass(g, pool.size())) {
-    const Context c{p, g, mk, cols, qs, kv, lse, delta, tile_products};
+    const Context c{p, g, mk, cols, qs, kv, lse, delta, tile_products, &kv_checked};
     std::vector<DqTiles> dq(static_cast<size_t>(pool.size()));
     // dK/dV tiles of parts 1 .. parts-1 per (b, kh): [nkvb][bkv][ld_d] and
     // [nkvb][bkv][ld_dv] each (part 0 adds its tiles to the accumulators).
@@ -694,7 +721,7 @@ void FlashBackward(const FlashParams& p, ThreadPool& pool, const TensorView& dou
   }
 
   {  // Pass 1: dK, dV (tile counts as in the forward, FLOPs of its four products).
-    const Context c{p, g, mk, cols, qs, kv, lse, delta, tile_products};
+    const Context c{p, g, mk, cols, qs, kv, lse, delta, tile_products, &kv_checked};
     pool.ParallelFor(g.b * g.hkv * g.nkvb, [&](int64_t task, int worker) {
       const int64_t kvb = task % g.nkvb, kh = (task / g.nkvb) % g.hkv;
       const int64_t b = task / (g.nkvb * g.hkv);
@@ -716,7 +743,7 @@ void FlashBackward(const FlashParams& p, ThreadPool& pool, const TensorView& dou
   }
   {  // Pass 2: dQ (recomputes S and dP: FLOPs only).
     const TilePlan rows(p, g, /*by_column=*/false);
-    const Context c{p, g, mk, rows, qs, kv, lse, delta, tile_products};
+    const Context c{p, g, mk, rows, qs, kv, lse, delta, tile_products, &kv_checked};
     pool.ParallelFor(g.b * g.h * g.nqb, [&](int64_t task, int worker) {
       const int64_t qb = g.nqb - 1 - task % g.nqb;
       const int64_t h = (task / g.nqb) % g.h, b = task / (g.nqb * g.h);
@@ -727,7 +754,7 @@ void FlashBackward(const FlashParams& p, ThreadPool& pool, const TensorView& dou
       const QTile qs = c.qs.Get(b, h, qb, ws.q_copies);
       for (const mask::BlockRun& run : rows.map().Runs(h, qb)) {
         for (int64_t kvb = run.begin; kvb < run.end; ++kvb) {
-          const KvTile kvt = ws.kv_cache.Get(c.kv, c.mk, b, h / g.group, kvb);
+          const KvTile kvt = c.Fetch(ws, b, h / g.group, kvb);
           if (TileProbs(c, qs, kvt, run.kind, b, h, qb, kvb, ws, Uses::kQ, /*slot=*/0,
                         /*convert_kv=*/true) == BlockKind::kEmpty) {
             continue;

@@ -37,11 +37,12 @@ struct FlashParams {
   float softcap = 0.0f;  // 0: no soft cap
   BlockSizes blocks;
   KernelPath path = KernelPath::kPortable;  // resolved: never kAuto
-  // Forward only. When set, the kernel checks every q row and every k/v row
-  // of the tiles it computes for NaN/Inf as it reads them, and sets the flag
-  // if it meets one: then (and only then) the result may differ from the
-  // non-finite rule of poison.h, and the caller must redo the call on cleaned
-  // inputs. k/v rows in no computed tile pair with no query, so skipping
+  // When set, the kernel (forward or backward) checks every q row and every
+  // k/v row of the tiles it computes for NaN/Inf as it reads them, and sets
+  // the flag if it meets one: then (and only then) the result may differ
+  // from the non-finite rule of poison.h, and the caller must redo the call
+  // on cleaned inputs. (The backward's other inputs are the caller's to
+  // check: a non-finite out or dout shows in delta.) k/v rows in no computed tile pair with no query, so skipping
   // them cannot change the rule's outcome. Costs nearly nothing: the rows
   // are checked while the compute brings them into cache anyway, instead of
   // in a separate memory-bound pass over every input.
