@@ -18,6 +18,7 @@
 #include "ringsplash/attention.h"
 #include "ringsplash/tensor.h"
 #include "src/kernels/micro/micro.h"
+#include "src/kernels/tiling/pack.h"
 #include "src/kernels/tiling/tiles.h"
 
 namespace ringsplash {
@@ -96,6 +97,48 @@ TEST(TilePackTest, TransposedPairsMatchTheLayoutOnEveryRoad) {
     }
   }
   if (paths == 0) GTEST_SKIP() << "no path with bf16 products (needs AVX512_BF16)";
+}
+
+// Large buffers (>= kHugeBytes) are kept for the next request of the same
+// size: the same memory comes back (zeroed when asked), a request of another
+// size gets fresh memory, the least recently kept go beyond kMaxKeptBytes,
+// and ReleaseCachedThreads frees everything.
+TEST(BufferCacheTest, KeepsLargeBlocksForTheSameSize) {
+  kernels::ReleaseCachedBuffers();
+  ASSERT_EQ(kernels::CachedBufferBytes(), 0u);
+  const size_t n = (kernels::kHugeBytes + 100) / sizeof(float);  // 3 blocks of 2 MiB
+  const float* first = nullptr;
+  {
+    kernels::AlignedBuffer<float> a(n);
+    first = a.data();
+    for (size_t i = 0; i < n; ++i) a[i] = 1.0f;
+  }
+  EXPECT_EQ(kernels::CachedBufferBytes(), size_t{6} << 20);
+  {
+    kernels::AlignedBuffer<float> b(n);  // zeroed, though it is the same memory
+    EXPECT_EQ(b.data(), first);
+    EXPECT_EQ(kernels::CachedBufferBytes(), 0u);
+    for (size_t i = 0; i < n; i += 4099) ASSERT_EQ(b[i], 0.0f) << i;
+    EXPECT_EQ(b[n - 1], 0.0f);
+  }
+  {
+    kernels::AlignedBuffer<float> small(1024);  // small buffers never touch the cache
+    kernels::AlignedBuffer<float> other(2 * n);  // another size: fresh memory
+    EXPECT_NE(other.data(), first);
+    EXPECT_EQ(kernels::CachedBufferBytes(), size_t{6} << 20);
+  }
+  EXPECT_EQ(kernels::CachedBufferBytes(), size_t{16} << 20);
+  {
+    // Blocks of 1/4 of the cap: five kept leave room for four, the newest.
+    std::vector<kernels::AlignedBuffer<char>> quarters;
+    for (int i = 0; i < 5; ++i) {
+      quarters.emplace_back();
+      quarters.back().Resize(kernels::kMaxKeptBytes / 4, /*zero=*/false);  // never touched
+    }
+  }
+  EXPECT_EQ(kernels::CachedBufferBytes(), kernels::kMaxKeptBytes);
+  ReleaseCachedThreads();  // the public entry point frees them too
+  EXPECT_EQ(kernels::CachedBufferBytes(), 0u);
 }
 
 }  // namespace

@@ -184,6 +184,9 @@ void AttentionBackward(const AttentionInputs& in, const AttentionOptions& opt, T
 
 // Ends the worker threads AttentionForward/Backward keep between calls, and
 // with them their scratch (a few MiB each); the next call starts new ones.
+// Also frees the large buffers (per-call copies of K and V, the backward's
+// packed queries: up to 1 GiB in all) that calls keep for the next call of
+// the same shapes.
 // Workers of calls running meanwhile are not touched (their pools are kept
 // when those calls end). The calling thread is worker 0 of its own calls and
 // keeps its scratch until it exits. Ring calls start their workers per call.

@@ -198,7 +198,10 @@ kernels::PairRule RuleOf(const AttentionInputs& in, const AttentionOptions& opt,
 
 }  // namespace
 
-void ReleaseCachedThreads() { PoolCache::Get().Clear(); }
+void ReleaseCachedThreads() {
+  PoolCache::Get().Clear();
+  kernels::ReleaseCachedBuffers();
+}
 
 void AttentionForward(const AttentionInputs& in, const AttentionOptions& opt, TensorView out,
                       TensorView lse, KernelStats* stats) {

@@ -9,28 +9,108 @@
 #include <algorithm>
 #include <bit>
 #include <cstring>
+#include <mutex>
 #include <new>
 #include <vector>
 
 namespace ringsplash::kernels {
 
 namespace {
+
 constexpr size_t kHugePage = size_t{2} << 20;
+
+// Large blocks freed by one call, kept for the next (BufferCache below).
+class BlockCache {
+ public:
+  static BlockCache& Get() {
+    static BlockCache* cache = new BlockCache;  // never destroyed: buffers may outlive statics
+    return *cache;
+  }
+
+  // The most recently kept block of exactly `bytes` (a multiple of
+  // kHugePage), or null.
+  void* Take(size_t bytes) {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (size_t i = kept_.size(); i-- > 0;) {
+      if (kept_[i].bytes != bytes) continue;
+      void* p = kept_[i].p;
+      kept_bytes_ -= bytes;
+      kept_.erase(kept_.begin() + static_cast<std::ptrdiff_t>(i));
+      return p;
+    }
+    return nullptr;
+  }
+
+  // Keeps p (a block of `bytes`), freeing the least recently kept blocks
+  // beyond kMaxKeptBytes.
+  void Give(void* p, size_t bytes) {
+    std::vector<Block> release;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      kept_.push_back({p, bytes});
+      kept_bytes_ += bytes;
+      size_t drop = 0;
+      while (kept_bytes_ > kMaxKeptBytes) kept_bytes_ -= kept_[drop++].bytes;
+      release.assign(kept_.begin(), kept_.begin() + static_cast<std::ptrdiff_t>(drop));
+      kept_.erase(kept_.begin(), kept_.begin() + static_cast<std::ptrdiff_t>(drop));
+    }
+    for (const Block& b : release) Free(b.p);
+  }
+
+  void Clear() {
+    std::vector<Block> release;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      release.swap(kept_);
+      kept_bytes_ = 0;
+    }
+    for (const Block& b : release) Free(b.p);
+  }
+
+  size_t KeptBytes() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return kept_bytes_;
+  }
+
+  static void Free(void* p) { ::operator delete (p, std::align_val_t{kHugePage}); }
+
+ private:
+  struct Block {
+    void* p;
+    size_t bytes;
+  };
+  std::mutex mu_;
+  std::vector<Block> kept_;
+  size_t kept_bytes_ = 0;
+};
+
+size_t HugeBlockBytes(size_t bytes) { return (bytes + kHugePage - 1) / kHugePage * kHugePage; }
+
 }  // namespace
 
 void* AllocateBufferMemory(size_t bytes) {
   if (bytes < kHugeBytes) return ::operator new (bytes, std::align_val_t{64});
-  void* p = ::operator new (bytes, std::align_val_t{kHugePage});
+  const size_t block = HugeBlockBytes(bytes);
+  if (void* kept = BlockCache::Get().Take(block)) return kept;
+  void* p = ::operator new (block, std::align_val_t{kHugePage});
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
   // Advice only: where THP is off (or the kernel refuses), 4 KiB pages.
-  (void)madvise(p, bytes, MADV_HUGEPAGE);
+  (void)madvise(p, block, MADV_HUGEPAGE);
 #endif
   return p;
 }
 
 void ReleaseBufferMemory(void* p, size_t bytes) {
-  ::operator delete (p, std::align_val_t{bytes < kHugeBytes ? 64 : kHugePage});
+  if (bytes < kHugeBytes) {
+    ::operator delete (p, std::align_val_t{64});
+    return;
+  }
+  BlockCache::Get().Give(p, HugeBlockBytes(bytes));
 }
+
+void ReleaseCachedBuffers() { BlockCache::Get().Clear(); }
+
+size_t CachedBufferBytes() { return BlockCache::Get().KeptBytes(); }
 
 namespace {
 

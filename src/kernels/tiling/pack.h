@@ -36,14 +36,24 @@ void PackTransposedBf16Pairs(const Slab& s, uint16_t* dst, int64_t ld);
 void PackRowsBf16Pairs(const Slab& s, uint16_t* dst, int64_t ld, int64_t nr_pad);
 
 // Memory for an AlignedBuffer of `bytes` bytes: 64-byte aligned; from
-// kHugeBytes on, 2 MiB aligned and (Linux) marked for transparent huge
-// pages, so a per-call copy of K and V or the backward's packed q side
-// faults in 2 MiB at a time instead of 4 KiB — those page faults were 3-4 %
-// of a full-mask backward and of a bf16 forward (docs/perf/PHASES.md).
-// ReleaseBufferMemory takes the same `bytes`.
+// kHugeBytes on, whole 2 MiB blocks, 2 MiB aligned and (Linux) marked for
+// transparent huge pages. ReleaseBufferMemory takes the same `bytes`.
+// Blocks released are kept for a later request of the same size, the least
+// recently kept freed beyond kMaxKeptBytes in all: calls in a loop
+// (training steps, forward and backward, the ring's steps) reuse the memory
+// of their per-call copies of K and V and of the backward's packed q side
+// instead of having the kernel fault in and zero fresh pages every call —
+// 5-7 % of a full-mask backward (docs/perf/PHASES.md). The price is memory
+// held between calls (at most what the calls used, and kMaxKeptBytes), which
+// ReleaseCachedThreads gives back.
 inline constexpr size_t kHugeBytes = size_t{4} << 20;
+inline constexpr size_t kMaxKeptBytes = size_t{1} << 30;
 void* AllocateBufferMemory(size_t bytes);
 void ReleaseBufferMemory(void* p, size_t bytes);
+// Frees the kept blocks (ReleaseCachedThreads calls it); how many bytes
+// are kept.
+void ReleaseCachedBuffers();
+size_t CachedBufferBytes();
 
 // A 64-byte aligned array (scratch tiles, packed operands), zero-initialised
 // unless asked otherwise.
