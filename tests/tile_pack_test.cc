@@ -122,7 +122,7 @@ TEST(BufferCacheTest, KeepsLargeBlocksForTheSameSize) {
     EXPECT_EQ(b[n - 1], 0.0f);
   }
   {
-    kernels::AlignedBuffer<float> small(1024);  // small buffers never touch the cache
+    kernels::AlignedBuffer<float> small(1024);   // small buffers never touch the cache
     kernels::AlignedBuffer<float> other(2 * n);  // another size: fresh memory
     EXPECT_NE(other.data(), first);
     EXPECT_EQ(kernels::CachedBufferBytes(), size_t{6} << 20);

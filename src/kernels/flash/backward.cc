@@ -640,10 +640,9 @@ void FlashBackward(const FlashParams& p, ThreadPool& pool, const TensorView& dou
   const QSide qs(p, dout, g, mk, cols, pool, tile_products);
   // With tile products K is read as bf16 (in place where it can be) and V
   // from the tensor: no f32 copies of either.
-  const KvRows kv(p, g,
-                  tile_products ? KvRows::KeyFormat::kBf16Tiles : KvRows::KeyFormat::kF32Padded,
-                  cols.UsesPerKvTile(), pool, /*tile_cache=*/true,
-                  p.non_finite != nullptr ? &mk : nullptr);
+  const KvRows kv(
+      p, g, tile_products ? KvRows::KeyFormat::kBf16Tiles : KvRows::KeyFormat::kF32Padded,
+      cols.UsesPerKvTile(), pool, /*tile_cache=*/true, p.non_finite != nullptr ? &mk : nullptr);
   std::vector<std::atomic<bool>> kv_checked(
       p.non_finite != nullptr ? static_cast<size_t>(g.b * g.hkv * g.nkvb) : 0);
   std::vector<WorkerStats> wstats(static_cast<size_t>(pool.size()));
