@@ -50,7 +50,6 @@
 #include "src/kernels/flash/rows.h"
 #include "src/kernels/flash/schedule.h"
 #include "src/kernels/micro/micro.h"
-#include "src/kernels/poison.h"
 #include "src/kernels/tiling/pack.h"
 #include "src/kernels/tiling/tiles.h"
 
@@ -165,11 +164,12 @@ class QSide {
     float* dot = qt + qt_elems_;
     float* q = dot + dot_elems_;
     float* dout = q + q_elems_;
-    // FlashParams::non_finite: each q row is checked as its tile is packed
-    // (dout and out were checked by the caller's delta: a NaN or infinity in
-    // either makes that row's delta one).
-    if (p_.non_finite != nullptr && AnyNonFinite(p_.q, b, r0, m, h)) p_.non_finite->store(true);
-    PackTransposed(mk_, p_.q, b, h, r0, m, qt, g_.ld_q);
+    // FlashParams::non_finite: the transpose notes NaN/Inf in the q rows it
+    // packs (dout and out were checked by the caller's delta: a NaN or
+    // infinity in either makes that row's delta one).
+    if (PackTransposed(mk_, p_.q, b, h, r0, m, qt, g_.ld_q) && p_.non_finite != nullptr) {
+      p_.non_finite->store(true);
+    }
     PackTransposed(mk_, dout_, b, h, r0, m, dot, g_.ld_q);
     PackRowsF32(Slab{&p_.q, b, h, r0, m, g_.d}, q, g_.ld_d, m);
     PackRowsF32(Slab{&dout_, b, h, r0, m, g_.dv}, dout, g_.ld_dv, m);
