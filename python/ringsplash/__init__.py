@@ -34,7 +34,8 @@ def kernel_path(requested: str = "auto") -> str:
 
 
 def release_cached_threads() -> None:
-    """Ends the worker threads (and their scratch) single-device calls keep between calls."""
+    """Ends the worker threads (and their scratch) single-device calls keep between calls,
+    and frees the large buffers calls keep for the next call of the same shapes."""
     _core.release_cached_threads()
 
 

@@ -202,7 +202,8 @@ NB_MODULE(_core, m) {
     return names;
   });
   m.def("release_cached_threads", &ReleaseCachedThreads,
-        "Ends the worker threads single-device calls keep between calls.");
+        "Ends the worker threads single-device calls keep between calls and frees the large "
+        "buffers calls keep for the next call of the same shapes.");
   m.def("ffi_targets", &FfiTargets,
         "XLA FFI handlers by target name, as capsules for jax.ffi.register_ffi_target "
         "(empty when the module was built without JAX's FFI headers).");
