@@ -102,6 +102,26 @@ TEST(FlashTest, BitwiseIdenticalAcrossThreadCounts) {
   }
 }
 
+// The gradients of `added` (Problem::Run with add_gradients: added to 0.5)
+// against those of `written` (written into NaN): the same but for the
+// rounding of each partial sum added to 0.5, at most half an ulp of 0.5 +
+// |partial sum| per add, one add per computed tile (at most 10 per row in
+// the tests below): 32 ulps of 0.5 + the largest |gradient| (partial sums
+// stay within a few times it) bound them. A NaN (an element left unwritten)
+// fails the comparison.
+void ExpectAddedMatchesWritten(const Result& added, const Result& written,
+                               const std::string& what) {
+  for (auto [a, w] :
+       {std::pair{&added.dq, &written.dq}, {&added.dk, &written.dk}, {&added.dv, &written.dv}}) {
+    double largest = 0;
+    for (float x : *w) largest = std::max(largest, std::abs(double{x}));
+    const double bound = 32 * std::ldexp(0.5 + largest, -24);
+    for (size_t e = 0; e < w->size(); ++e) {
+      ASSERT_LE(std::abs(double{(*a)[e]} - (*w)[e]), bound) << what << " element " << e;
+    }
+  }
+}
+
 // The backward splits each kv head's group of query heads into parts when
 // there are fewer than 16 (batch, kv head) pairs (MQA, small batches), so
 // that its one-pass schedule has enough tasks. Each split: gradients against
@@ -141,29 +161,18 @@ TEST(FlashTest, BackwardHeadPartsMatchReferenceOnAnyThreadCount) {
               << threads << " threads";
         }
         // Added to accumulators holding 0.5 (GradientSums; the ring's
-        // steps) rather than written: the same gradients but for the
-        // rounding of each partial sum added to 0.5, at most half an ulp of
-        // 0.5 + |partial sum| per add, one add per computed tile (here <= 4
-        // per dQ row, <= 10 per dK/dV row): 32 ulps of 0.5 + the largest
-        // |gradient| (partial sums stay within a few times it) bound them.
-        // Bitwise the same through both schedules (1 and 7 threads).
+        // steps) rather than written (here <= 4 adds per dQ row, <= 10 per
+        // dK/dV row); bitwise the same through both schedules (1 and 7
+        // threads).
         s.add_gradients = true;
         s.threads = 1;
         const Result a1 = prob.Run(s, true);
         s.threads = 7;
         EXPECT_TRUE(BitwiseEqual(a1, prob.Run(s, true))) << KernelPathName(path);
         s.add_gradients = false;
-        for (auto [added, written] :
-             {std::pair{&a1.dq, &r1.dq}, {&a1.dk, &r1.dk}, {&a1.dv, &r1.dv}}) {
-          double largest = 0;
-          for (float w : *written) largest = std::max(largest, std::abs(double{w}));
-          const double bound = 32 * std::ldexp(0.5 + largest, -24);
-          for (size_t e = 0; e < written->size(); ++e) {
-            ASSERT_LE(std::abs(double{(*added)[e]} - (*written)[e]), bound)
-                << KernelPathName(path) << " " << DTypeName(dtype) << " parts " << c.parts
-                << " element " << e;
-          }
-        }
+        ExpectAddedMatchesWritten(a1, r1,
+                                  std::string(KernelPathName(path)) + " " + DTypeName(dtype) +
+                                      " parts " + std::to_string(c.parts));
       }
     }
   }
@@ -199,7 +208,7 @@ TEST(FlashTest, BackwardHeadPartsMatchReferenceOnAnyThreadCount) {
 // Gradients written whole into accumulators larger than the caches (>= 16
 // MiB: 6.3 M floats here) go out with non-temporal stores. Written into
 // buffers full of NaN, they must equal the gradients added to 0.5 (ordinary
-// stores) within the bound of the test above, with nothing left unwritten.
+// stores; ExpectAddedMatchesWritten), with nothing left unwritten.
 // A narrow window keeps the long sequence cheap.
 TEST(FlashTest, StreamedGradientsAreWrittenWhole) {
   ProblemSpec spec(1, 65536, 65536, 1, 1, 32, 32);
@@ -212,16 +221,7 @@ TEST(FlashTest, StreamedGradientsAreWrittenWhole) {
     const Result written = prob.Run(s, true);
     s.add_gradients = true;
     const Result added = prob.Run(s, true);
-    for (auto [a, w] :
-         {std::pair{&added.dq, &written.dq}, {&added.dk, &written.dk}, {&added.dv, &written.dv}}) {
-      double largest = 0;
-      for (float x : *w) largest = std::max(largest, std::abs(double{x}));
-      const double bound = 32 * std::ldexp(0.5 + largest, -24);
-      for (size_t e = 0; e < w->size(); ++e) {
-        ASSERT_LE(std::abs(double{(*a)[e]} - (*w)[e]), bound)
-            << KernelPathName(path) << " element " << e;
-      }
-    }
+    ExpectAddedMatchesWritten(added, written, KernelPathName(path));
   }
 }
 
