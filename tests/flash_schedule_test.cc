@@ -206,23 +206,52 @@ TEST(FlashTest, BackwardHeadPartsMatchReferenceOnAnyThreadCount) {
 }
 
 // Gradients written whole into accumulators larger than the caches (>= 16
-// MiB: 6.3 M floats here) go out with non-temporal stores. Written into
-// buffers full of NaN, they must equal the gradients added to 0.5 (ordinary
-// stores; ExpectAddedMatchesWritten), with nothing left unwritten.
-// A narrow window (one or two tiles per q block) keeps it cheap enough for
+// MiB) go out with non-temporal stores. Written into buffers full of NaN,
+// they must equal the gradients added to 0.5 (ordinary stores;
+// ExpectAddedMatchesWritten), with nothing left unwritten, through each
+// schedule: one head of D = 256 (6.3 M floats) on 2 threads (two passes,
+// one task) and on 1 (one pass, in order); MQA with 8 head parts, D = 40,
+// Dv = 24 (4.7 M floats) on 2 threads (one pass, the later parts' dK/dV
+// buffered), with q rows 0..19 allowed no key (their dQ rows written 0).
+// Narrow windows (one or two tiles per q block) keep it cheap enough for
 // the portable path under qemu.
 TEST(FlashTest, StreamedGradientsAreWrittenWhole) {
-  ProblemSpec spec(1, 8192, 8192, 1, 1, 256, 256);
-  Problem prob(740, spec);
-  for (KernelPath path : SupportedKernelPaths()) {
-    RunConfig s;
-    s.path = path;
-    s.mask = Mask::Causal() & Mask::Local(12, std::nullopt);
-    s.blocks = {16, 16};
-    const Result written = prob.Run(s, true);
-    s.add_gradients = true;
-    const Result added = prob.Run(s, true);
-    ExpectAddedMatchesWritten(added, written, KernelPathName(path));
+  struct Case {
+    Shape shape;
+    Mask mask;
+    int threads;
+    bool one_pass;
+  };
+  const Mask offset = Mask::Causal(-20) & Mask::Local(28, std::nullopt);
+  const std::vector<Case> cases = {
+      {{1, 8192, 8192, 1, 1, 256, 256}, Mask::Causal() & Mask::Local(12, std::nullopt), 2, false},
+      {{1, 8192, 8192, 1, 1, 256, 256}, Mask::Causal() & Mask::Local(12, std::nullopt), 1, true},
+      {{1, 12288, 12288, 8, 1, 40, 24}, offset, 2, true},
+  };
+  uint64_t seed = 740;
+  for (const Case& c : cases) {
+    Problem prob(++seed, SpecOf(c.shape, DType::kF32));
+    for (KernelPath path : SupportedKernelPaths()) {
+      RunConfig s;
+      s.path = path;
+      s.mask = c.mask;
+      s.blocks = {16, 16};
+      s.threads = c.threads;
+      const kernels::Geometry g = kernels::Geometry::Of(prob.Params(s));
+      EXPECT_EQ(kernels::BackwardInOnePass(g, c.threads), c.one_pass);
+      const Result written = prob.Run(s, true);
+      s.add_gradients = true;
+      const Result added = prob.Run(s, true);
+      const std::string what = std::string(KernelPathName(path)) +
+                               " H=" + std::to_string(c.shape.h) + ", " +
+                               std::to_string(c.threads) + " threads";
+      ExpectAddedMatchesWritten(added, written, what);
+      if (c.shape.h == 8) {  // rows 0..19 of every head: no allowed key
+        for (size_t e = 0; e < static_cast<size_t>(20 * 8 * 40); ++e) {
+          ASSERT_EQ(written.dq[e], 0.0f) << what << " element " << e;
+        }
+      }
+    }
   }
 }
 

@@ -10,6 +10,7 @@
 // checked against the f64 reference in flash_kernel_test.cc.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <random>
 #include <string>
@@ -104,6 +105,7 @@ TEST(TilePackTest, TransposedPairsMatchTheLayoutOnEveryRoad) {
 // size gets fresh memory, the least recently kept go beyond kMaxKeptBytes,
 // and ReleaseCachedThreads frees everything.
 TEST(BufferCacheTest, KeepsLargeBlocksForTheSameSize) {
+  if (!kernels::KeepsBuffers()) GTEST_SKIP() << "blocks are not kept under AddressSanitizer";
   kernels::ReleaseCachedBuffers();
   ASSERT_EQ(kernels::CachedBufferBytes(), 0u);
   const size_t n = (kernels::kHugeBytes + 100) / sizeof(float);  // 3 blocks of 2 MiB
@@ -128,15 +130,31 @@ TEST(BufferCacheTest, KeepsLargeBlocksForTheSameSize) {
     EXPECT_EQ(kernels::CachedBufferBytes(), size_t{6} << 20);
   }
   EXPECT_EQ(kernels::CachedBufferBytes(), size_t{16} << 20);
+  // Blocks of 1/4 of the cap (never touched): of five kept, the newest four
+  // stay; the first comes back no more.
+  const size_t quarter = kernels::kMaxKeptBytes / 4;
+  std::vector<const char*> kept;
   {
-    // Blocks of 1/4 of the cap: five kept leave room for four, the newest.
-    std::vector<kernels::AlignedBuffer<char>> quarters;
-    for (int i = 0; i < 5; ++i) {
-      quarters.emplace_back();
-      quarters.back().Resize(kernels::kMaxKeptBytes / 4, /*zero=*/false);  // never touched
+    std::vector<kernels::AlignedBuffer<char>> quarters(5);
+    for (auto& q : quarters) {
+      q.Resize(quarter, /*zero=*/false);
+      kept.push_back(q.data());
     }
+    for (auto& q : quarters) q.Resize(0);  // released in this order
   }
   EXPECT_EQ(kernels::CachedBufferBytes(), kernels::kMaxKeptBytes);
+  {
+    std::vector<kernels::AlignedBuffer<char>> again(4);
+    std::vector<const char*> got;
+    for (auto& q : again) {
+      q.Resize(quarter, /*zero=*/false);
+      got.push_back(q.data());
+    }
+    std::sort(got.begin(), got.end());
+    std::vector<const char*> newest(kept.begin() + 1, kept.end());
+    std::sort(newest.begin(), newest.end());
+    EXPECT_EQ(got, newest);
+  }
   ReleaseCachedThreads();  // the public entry point frees them too
   EXPECT_EQ(kernels::CachedBufferBytes(), 0u);
 }

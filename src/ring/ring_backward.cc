@@ -101,7 +101,7 @@ void BackwardSteps(Communicator& comm, const RingSetup& s, const AttentionInputs
     RingStepStats step;
     step.source_rank = src;
     Clock::time_point c0 = Clock::now();
-    // The step's dK/dV are written whole (accumulate = false: no zeroing)
+    // The step's dK/dV are written whole (add_dkv = false: no zeroing)
     // into the accumulator that starts at this rank, or into `part` to be
     // added to the one that arrives; dQ adds up step after step.
     float* target = t == 0 ? scratch.accs[acc_in].data_as<float>() : part.data_as<float>();

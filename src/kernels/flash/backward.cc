@@ -40,6 +40,7 @@
 //     same inputs (bit-identical).
 // So results are bitwise the same for every thread count.
 #include <algorithm>
+#include <cassert>
 #include <atomic>
 #include <cstring>
 #include <limits>
@@ -490,11 +491,14 @@ class DqTiles {
   // writes it whole).
   float* Get(const Geometry& g, int64_t h, int64_t qb, bool* written) {
     int32_t& slot = slot_[At(h, qb)];
+    assert(slot != kDone && "a q tile computed after its last kv block");
     *written = slot != kNone;
     if (slot == kNone) {
       if (free_.empty()) {
         free_.push_back(static_cast<int32_t>(tiles_.size()));
-        tiles_.emplace_back(static_cast<size_t>(g.bq * g.ld_d));
+        tiles_.emplace_back();
+        // Not zeroed: a tile's first product writes it whole.
+        tiles_.back().Resize(static_cast<size_t>(g.bq * g.ld_d), /*zero=*/false);
       }
       slot = free_.back();
       free_.pop_back();

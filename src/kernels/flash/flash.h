@@ -42,8 +42,9 @@ struct FlashParams {
   // the flag if it meets one: then (and only then) the result may differ
   // from the non-finite rule of poison.h, and the caller must redo the call
   // on cleaned inputs. (The backward's other inputs are the caller's to
-  // check: a non-finite out or dout shows in delta.) k/v rows in no computed tile pair with no query, so skipping
-  // them cannot change the rule's outcome. Costs nearly nothing: the rows
+  // check: a non-finite out or dout shows in delta.) k/v rows in no
+  // computed tile pair with no query, so skipping them cannot change the
+  // rule's outcome. Costs nearly nothing: the rows
   // are checked while the compute brings them into cache anyway, instead of
   // in a separate memory-bound pass over every input.
   std::atomic<bool>* non_finite = nullptr;

@@ -19,9 +19,27 @@ namespace {
 
 constexpr size_t kHugePage = size_t{2} << 20;
 
-// Large blocks freed by one call, kept for the next (BufferCache below).
+// Under AddressSanitizer blocks are never kept: a use after free of a
+// large buffer must reach the allocator to be reported.
+#if defined(__SANITIZE_ADDRESS__)
+constexpr bool kKeepBlocks = false;
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+constexpr bool kKeepBlocks = false;
+#else
+constexpr bool kKeepBlocks = true;
+#endif
+#else
+constexpr bool kKeepBlocks = true;
+#endif
+
+// Large blocks released by one call, kept for the next (pack.h). A fixed
+// array, so that keeping a block (from a destructor) never allocates or
+// throws.
 class BlockCache {
  public:
+  static constexpr int kMaxBlocks = 32;
+
   static BlockCache& Get() {
     static BlockCache* cache = new BlockCache;  // never destroyed: buffers may outlive statics
     return *cache;
@@ -31,40 +49,59 @@ class BlockCache {
   // kHugePage), or null.
   void* Take(size_t bytes) {
     std::lock_guard<std::mutex> lock(mu_);
-    for (size_t i = kept_.size(); i-- > 0;) {
+    for (int i = count_; i-- > 0;) {
       if (kept_[i].bytes != bytes) continue;
       void* p = kept_[i].p;
       kept_bytes_ -= bytes;
-      kept_.erase(kept_.begin() + static_cast<std::ptrdiff_t>(i));
+      std::copy(kept_ + i + 1, kept_ + count_, kept_ + i);
+      --count_;
       return p;
     }
     return nullptr;
   }
 
   // Keeps p (a block of `bytes`), freeing the least recently kept blocks
-  // beyond kMaxKeptBytes.
-  void Give(void* p, size_t bytes) {
-    std::vector<Block> release;
+  // beyond kMaxKeptBytes or kMaxBlocks; a block larger than kMaxKeptBytes
+  // itself is freed at once.
+  void Give(void* p, size_t bytes) noexcept {
+    if (!kKeepBlocks || bytes > kMaxKeptBytes) {
+      Free(p);
+      return;
+    }
+    Block release[kMaxBlocks];
+    int drop = 0;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      kept_.push_back({p, bytes});
+      if (count_ == kMaxBlocks) {
+        release[drop++] = kept_[0];
+        kept_bytes_ -= kept_[0].bytes;
+        std::copy(kept_ + 1, kept_ + count_, kept_);
+        --count_;
+      }
+      kept_[count_++] = {p, bytes};
       kept_bytes_ += bytes;
-      size_t drop = 0;
-      while (kept_bytes_ > kMaxKeptBytes) kept_bytes_ -= kept_[drop++].bytes;
-      release.assign(kept_.begin(), kept_.begin() + static_cast<std::ptrdiff_t>(drop));
-      kept_.erase(kept_.begin(), kept_.begin() + static_cast<std::ptrdiff_t>(drop));
+      int evict = 0;
+      while (kept_bytes_ > kMaxKeptBytes) {
+        kept_bytes_ -= kept_[evict].bytes;
+        release[drop++] = kept_[evict++];
+      }
+      std::copy(kept_ + evict, kept_ + count_, kept_);
+      count_ -= evict;
     }
-    for (const Block& b : release) Free(b.p);
+    for (int i = 0; i < drop; ++i) Free(release[i].p);
   }
 
-  void Clear() {
-    std::vector<Block> release;
+  void Clear() noexcept {
+    Block release[kMaxBlocks];
+    int drop = 0;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      release.swap(kept_);
+      std::copy(kept_, kept_ + count_, release);
+      drop = count_;
+      count_ = 0;
       kept_bytes_ = 0;
     }
-    for (const Block& b : release) Free(b.p);
+    for (int i = 0; i < drop; ++i) Free(release[i].p);
   }
 
   size_t KeptBytes() {
@@ -72,15 +109,16 @@ class BlockCache {
     return kept_bytes_;
   }
 
-  static void Free(void* p) { ::operator delete (p, std::align_val_t{kHugePage}); }
+  static void Free(void* p) noexcept { ::operator delete (p, std::align_val_t{kHugePage}); }
 
  private:
   struct Block {
-    void* p;
-    size_t bytes;
+    void* p = nullptr;
+    size_t bytes = 0;
   };
   std::mutex mu_;
-  std::vector<Block> kept_;
+  Block kept_[kMaxBlocks];  // least recently kept first
+  int count_ = 0;
   size_t kept_bytes_ = 0;
 };
 
@@ -92,7 +130,15 @@ void* AllocateBufferMemory(size_t bytes) {
   if (bytes < kHugeBytes) return ::operator new (bytes, std::align_val_t{64});
   const size_t block = HugeBlockBytes(bytes);
   if (void* kept = BlockCache::Get().Take(block)) return kept;
-  void* p = ::operator new (block, std::align_val_t{kHugePage});
+  void* p = nullptr;
+  try {
+    p = ::operator new (block, std::align_val_t{kHugePage});
+  } catch (const std::bad_alloc&) {
+    // Kept blocks of other sizes are what the memory went to: free them and
+    // try once more.
+    BlockCache::Get().Clear();
+    p = ::operator new (block, std::align_val_t{kHugePage});
+  }
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
   // Advice only: where THP is off (or the kernel refuses), 4 KiB pages.
   (void)madvise(p, block, MADV_HUGEPAGE);
@@ -107,6 +153,8 @@ void ReleaseBufferMemory(void* p, size_t bytes) {
   }
   BlockCache::Get().Give(p, HugeBlockBytes(bytes));
 }
+
+bool KeepsBuffers() { return kKeepBlocks; }
 
 void ReleaseCachedBuffers() { BlockCache::Get().Clear(); }
 

@@ -38,22 +38,26 @@ void PackRowsBf16Pairs(const Slab& s, uint16_t* dst, int64_t ld, int64_t nr_pad)
 // Memory for an AlignedBuffer of `bytes` bytes: 64-byte aligned; from
 // kHugeBytes on, whole 2 MiB blocks, 2 MiB aligned and (Linux) marked for
 // transparent huge pages. ReleaseBufferMemory takes the same `bytes`.
-// Blocks released are kept for a later request of the same size, the least
-// recently kept freed beyond kMaxKeptBytes in all: calls in a loop
-// (training steps, forward and backward, the ring's steps) reuse the memory
-// of their per-call copies of K and V and of the backward's packed q side
-// instead of having the kernel fault in and zero fresh pages every call —
-// 5-7 % of a full-mask backward (docs/perf/PHASES.md). The price is memory
-// held between calls (at most what the calls used, and kMaxKeptBytes), which
-// ReleaseCachedThreads gives back.
+// Blocks released are kept for a later request of the same size (at most
+// 32 of them, the least recently kept freed beyond kMaxKeptBytes in all):
+// calls in a loop (training steps, forward and backward, the ring's steps)
+// reuse the memory of their per-call copies of K and V and of the
+// backward's packed q side instead of having the kernel fault in and zero
+// fresh pages every call — 5-7 % of a full-mask backward
+// (docs/perf/PHASES.md). The price is memory held between calls: up to
+// kMaxKeptBytes of blocks of the sizes recent calls used, which
+// ReleaseCachedThreads gives back (and a failed allocation frees before it
+// tries again). Not under AddressSanitizer (KeepsBuffers()), so that a use
+// after free still reaches the allocator.
 inline constexpr size_t kHugeBytes = size_t{4} << 20;
 inline constexpr size_t kMaxKeptBytes = size_t{1} << 30;
 void* AllocateBufferMemory(size_t bytes);
 void ReleaseBufferMemory(void* p, size_t bytes);
 // Frees the kept blocks (ReleaseCachedThreads calls it); how many bytes
-// are kept.
+// are kept; whether blocks are kept at all.
 void ReleaseCachedBuffers();
 size_t CachedBufferBytes();
+bool KeepsBuffers();
 
 // A 64-byte aligned array (scratch tiles, packed operands), zero-initialised
 // unless asked otherwise.
