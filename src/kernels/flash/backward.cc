@@ -40,8 +40,8 @@
 //     same inputs (bit-identical).
 // So results are bitwise the same for every thread count.
 #include <algorithm>
-#include <cassert>
 #include <atomic>
+#include <cassert>
 #include <cstring>
 #include <limits>
 #include <span>
