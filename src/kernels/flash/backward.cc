@@ -262,23 +262,13 @@ struct Context {
   // BackwardTile's epilogues; dV, dK and dQ from bf16 P^T and dS^T
   // (GradOperandsBf16Fn).
   bool tile_products;
-  // FlashParams::non_finite: kv tiles read in place are checked once each
-  // (claimed by their first user), copied ones as they are copied.
+  // FlashParams::non_finite: the tiles claimed by the first user that checks
+  // them in place (KvTileCache::GetChecked).
   std::vector<std::atomic<bool>>* kv_checked;
 
   // K and V rows of kv tile (b, kh, kvb), through the thread's copies.
   KvTile Fetch(Workspace& ws, int64_t b, int64_t kh, int64_t kvb) const {
-    if (p.non_finite == nullptr) return ws.kv_cache.Get(kv, mk, b, kh, kvb);
-    if (!kv.tile_cache() &&
-        !(*kv_checked)[static_cast<size_t>((b * g.hkv + kh) * g.nkvb + kvb)].exchange(
-            true, std::memory_order_relaxed) &&
-        kv.NonFinite(p, b, kh, kvb)) {
-      p.non_finite->store(true);
-    }
-    bool bad = false;
-    const KvTile kvt = ws.kv_cache.Get(kv, mk, b, kh, kvb, &bad);
-    if (bad) p.non_finite->store(true);
-    return kvt;
+    return ws.kv_cache.GetChecked(kv, mk, p, *kv_checked, b, kh, kvb);
   }
 };
 

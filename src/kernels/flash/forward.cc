@@ -562,18 +562,9 @@ class ForwardCall {
   }
 
   // K and V rows of kv tile (b, kh, kvb), checked for NaN/Inf when the call
-  // asks: in place by the first task that uses the tile, or while a thread
-  // copies it (every computed tile is copied by its thread at least once).
+  // asks (KvTileCache::GetChecked).
   KvTile Fetch(Workspace& ws, int64_t b, int64_t kh, int64_t kvb) {
-    if (check_ && !kv_->tile_cache() &&
-        !kv_checked_[static_cast<size_t>((b * g_.hkv + kh) * g_.nkvb + kvb)].exchange(
-            true, std::memory_order_relaxed)) {
-      if (kv_->NonFinite(p_, b, kh, kvb)) p_.non_finite->store(true);
-    }
-    bool bad = false;
-    const KvTile kvt = ws.kv_cache.Get(*kv_, mk_, b, kh, kvb, check_ ? &bad : nullptr);
-    if (bad) p_.non_finite->store(true);
-    return kvt;
+    return ws.kv_cache.GetChecked(*kv_, mk_, p_, kv_checked_, b, kh, kvb);
   }
 
   // V of the fetched tile as bf16 pairs for the tile P V: from the bf16

@@ -355,6 +355,22 @@ float* TileCopies::Find(uint64_t call, int64_t tile, int64_t floats, int64_t bud
   return data_.data() + (s - slots_.data()) * floats_;
 }
 
+KvTile KvTileCache::GetChecked(const KvRows& kv, const micro::MicroKernels& mk,
+                               const FlashParams& p, std::vector<std::atomic<bool>>& claimed,
+                               int64_t b, int64_t kh, int64_t kvb) {
+  if (p.non_finite == nullptr) return Get(kv, mk, b, kh, kvb);
+  if (!kv.tile_cache() &&
+      !claimed[static_cast<size_t>(kv.Tile(b, kh, kvb))].exchange(true,
+                                                                  std::memory_order_relaxed) &&
+      kv.NonFinite(p, b, kh, kvb)) {
+    p.non_finite->store(true);
+  }
+  bool bad = false;
+  const KvTile kvt = Get(kv, mk, b, kh, kvb, &bad);
+  if (bad) p.non_finite->store(true);
+  return kvt;
+}
+
 int64_t KvTileCache::Together(const Geometry& g) {
   return TileCopies::Slots(g.bkv * (g.ld_d + g.ld_dv), kBudgetBytes);
 }

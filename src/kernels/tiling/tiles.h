@@ -5,6 +5,7 @@
 #ifndef RINGSPLASH_KERNELS_TILING_TILES_H_
 #define RINGSPLASH_KERNELS_TILING_TILES_H_
 
+#include <atomic>
 #include <cstdint>
 #include <optional>
 #include <span>
@@ -255,6 +256,13 @@ class KvTileCache {
   // once per call, so this checks each computed tile (FlashParams::non_finite).
   KvTile Get(const KvRows& kv, const micro::MicroKernels& mk, int64_t b, int64_t kh, int64_t kvb,
              bool* non_finite = nullptr);
+  // Get with the check FlashParams::non_finite asks for, when p sets it
+  // (sets the flag on a NaN or an infinity): rows the call reads in place
+  // (!kv.tile_cache()) by the first user of the tile, which claims it in
+  // `claimed` (one flag per (b, kv head, kvb)); copied rows as they are
+  // copied (every computed tile is copied by its thread at least once).
+  KvTile GetChecked(const KvRows& kv, const micro::MicroKernels& mk, const FlashParams& p,
+                    std::vector<std::atomic<bool>>& claimed, int64_t b, int64_t kh, int64_t kvb);
   // At least 2: how many kv tiles of g fit in the copies.
   static int64_t Together(const Geometry& g);
 
