@@ -54,21 +54,24 @@ constexpr int kMaxShare = static_cast<int>(kMaxDecodeShare);  // entries done to
 
 // Heads sharing rows (G >= 2) do G times the arithmetic per byte, which
 // leaves the out-of-order window too few loads in flight to cover memory
-// latency: each K and V row of the next chunk is requested while its row of
-// this chunk is used (16 keys ahead, one 64-byte line per request). One head
-// per row (MHA) keeps enough loads in flight by itself; the requests would
-// only slow it, so it makes none (docs/PERFORMANCE.md, "Design
-// measurements": decoding prefetch).
-constexpr int64_t kPrefetchKeys = 16;
+// latency: each K and V row two chunks ahead is requested while its row of
+// this chunk is used (32 keys ahead, one 64-byte line per request), into L2
+// (prefetcht1): on the Intel Xeon VM the bf16 GQA step on two threads read
+// ~15 % more than with requests one chunk ahead into L1, which left it at
+// ~9 GB/s per core whatever the distance. One head per row (MHA) keeps
+// enough loads in flight by itself; the requests would only slow it, so it
+// makes none (docs/PERFORMANCE.md, "Design measurements": decoding
+// prefetch).
+constexpr int64_t kPrefetchKeys = 32;
 
-// Requests `bytes` bytes from `ahead` bytes past row into L1. The address
-// may lie past the tensor's end (the last chunk): prefetches never fault, and
-// it is formed as an integer, not by pointer arithmetic out of the object.
+// Requests `bytes` bytes from `ahead` bytes past row into L2. The address
+// may lie past the tensor's end (the last chunks): prefetches never fault,
+// and it is formed as an integer, not by pointer arithmetic out of the object.
 template <typename T>
 RINGSPLASH_INLINE void PrefetchRow(const T* row, int64_t ahead, int64_t bytes) {
   const uintptr_t at = reinterpret_cast<uintptr_t>(row) + static_cast<uintptr_t>(ahead);
   for (int64_t o = 0; o < bytes; o += 64) {
-    _mm_prefetch(reinterpret_cast<const char*>(at + static_cast<uintptr_t>(o)), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(at + static_cast<uintptr_t>(o)), _MM_HINT_T1);
   }
 }
 
