@@ -225,7 +225,9 @@ bool Chunk(const DecodeArgs& a, const DecodeHead* h, int64_t j0, int rows) {
     const float shift = m_new == kNegInf ? 0.0f : m_new;
     // Exp256 gives exactly 0 for -inf (and anything below -86).
     const __m256 pi = _mm256_and_ps(Exp256(_mm256_sub_ps(xi, _mm256_set1_ps(shift))), keep);
-    alpha[i] = std::exp(m_old - shift);
+    // exp(0) = 1 exactly: no call while a finite running max holds (most
+    // chunks).
+    alpha[i] = m_new == m_old && std::isfinite(m_old) ? 1.0f : std::exp(m_old - shift);
     *h[i].row_sum = alpha[i] * *h[i].row_sum + HorizontalSum(pi);
     *h[i].row_max = m_new;
     _mm256_store_ps(p[i], pi);
