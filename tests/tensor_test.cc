@@ -631,6 +631,39 @@ TEST(CopyConvertTest, CheckedBF16OverflowAndTheEdgesOfTheRange) {
   EXPECT_THROW(CopyConvert(TensorView::Contiguous(e, DType::kF32, {2}), h.view(), "out"), Error);
 }
 
+// Unit-stride f32 -> bf16 rows take a loop of their own (vectorised): it
+// must round as F32ToBF16 does, element by element, and report the first
+// overflow in row-major order past NaN and infinities already in the data,
+// as the strided path does.
+TEST(CopyConvertTest, ContiguousBF16RowsRoundAndReportTheFirstOverflow) {
+  const float max = std::numeric_limits<float>::max();
+  const float inf = std::numeric_limits<float>::infinity();
+  Tensor src(DType::kF32, {3, 37});
+  float* s = src.data_as<float>();
+  for (int64_t i = 0; i < src.numel(); ++i)
+    s[i] = std::ldexp(1.0f + 0.0078125f * (i % 7), i % 40 - 20);
+  s[5] = std::numeric_limits<float>::quiet_NaN();
+  s[6] = -inf;
+  s[37 + 30] = -max;  // the first overflow, row 1
+  s[37 + 31] = max;
+  s[2 * 37 + 2] = max;
+  Tensor dst(DType::kBF16, {3, 37});
+  EXPECT_EQ(CopyConvertFindOverflow(src.view(), dst.view()), 37 + 30);
+  // The same through a strided destination (the element-wise path).
+  Tensor wide(DType::kBF16, {3, 74});
+  TensorView strided = wide.view();
+  strided.shape[1] = 37;
+  strided.stride[1] = 2;
+  EXPECT_EQ(CopyConvertFindOverflow(src.view(), strided), 37 + 30);
+  for (int64_t i = 0; i < src.numel(); ++i) {
+    const uint16_t want = F32ToBF16(s[i]);
+    EXPECT_EQ(dst.data_as<uint16_t>()[i], want) << i;
+    EXPECT_EQ(wide.data_as<uint16_t>()[(i / 37) * 74 + (i % 37) * 2], want) << i;
+  }
+  s[37 + 30] = s[37 + 31] = s[2 * 37 + 2] = 1.0f;
+  EXPECT_EQ(CopyConvertFindOverflow(src.view(), dst.view()), -1);
+}
+
 // The NaN rule: NaN and infinities that the caller's data already holds are
 // copied unchanged, not reported; f32 outputs never overflow.
 TEST(CopyConvertTest, CheckedConversionPassesNaNAndInfThrough) {

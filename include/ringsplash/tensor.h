@@ -51,13 +51,22 @@ const char* DTypeName(DType dtype);
 // Parses a DTypeName; throws Error naming `what` for anything else.
 DType ParseDType(const std::string& text, const char* what = "dtype");
 
-// bf16 <-> f32: round-to-nearest-even, NaN stays NaN.
+// bf16 <-> f32: round-to-nearest-even, NaN stays NaN (made quiet). Written
+// as a select, not a branch, so that loops over it vectorise.
 inline uint16_t F32ToBF16(float f) {
   uint32_t u;
   std::memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
+  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  const uint32_t quiet_nan = (u >> 16) | 0x40u;
+  return static_cast<uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded);
+}
+// Whether F32ToBF16(f) == h is an infinity that f, finite, rounded to: a
+// select as well.
+inline bool Bf16Overflowed(float f, uint16_t h) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return static_cast<bool>(static_cast<uint32_t>((u & 0x7fffffffu) < 0x7f800000u) &
+                           static_cast<uint32_t>((h & 0x7fffu) == 0x7f80u));
 }
 inline float BF16ToF32(uint16_t h) {
   uint32_t u = static_cast<uint32_t>(h) << 16;

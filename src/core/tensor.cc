@@ -285,6 +285,24 @@ int64_t ConvertRow16(const TensorView& src, int64_t so, int64_t ss, uint16_t* d,
   return first;
 }
 
+// ConvertRow16 for unit-stride f32 to bf16, the common case (gradients and
+// outputs of bf16 calls): no branch or dtype dispatch per element, so the
+// loop vectorises (~3 ns per element before); the first overflow is looked
+// for only if there is one.
+int64_t ConvertRowF32ToBf16(const float* s, uint16_t* d, int64_t n) {
+  uint32_t over = 0;
+  for (int64_t e = 0; e < n; ++e) {
+    const uint16_t h = F32ToBF16(s[e]);
+    d[e] = h;
+    over |= static_cast<uint32_t>(Bf16Overflowed(s[e], h));
+  }
+  if (over == 0) return -1;
+  for (int64_t e = 0; e < n; ++e) {
+    if (Bf16Overflowed(s[e], d[e])) return e;
+  }
+  return -1;
+}
+
 }  // namespace
 
 int64_t CopyConvertFindOverflow(const TensorView& src, const TensorView& dst) {
@@ -316,6 +334,10 @@ int64_t CopyConvertFindOverflow(const TensorView& src, const TensorView& dst) {
         } else if (dst.dtype == DType::kF16) {
           bad = ConvertRow16<F32ToF16, 0x7c00u>(
               src, so, ss[3], static_cast<uint16_t*>(dst.data) + d0, ds[3], shape[3]);
+        } else if (dst.dtype == DType::kBF16 && src.dtype == DType::kF32 && ss[3] == 1 &&
+                   ds[3] == 1) {
+          bad = ConvertRowF32ToBf16(static_cast<const float*>(src.data) + so,
+                                    static_cast<uint16_t*>(dst.data) + d0, shape[3]);
         } else if (dst.dtype == DType::kBF16) {
           bad = ConvertRow16<F32ToBF16, 0x7f80u>(
               src, so, ss[3], static_cast<uint16_t*>(dst.data) + d0, ds[3], shape[3]);
