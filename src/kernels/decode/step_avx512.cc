@@ -54,14 +54,13 @@ constexpr int kMaxShare = static_cast<int>(kMaxDecodeShare);  // entries done to
 
 // Heads sharing rows (G >= 2) do G times the arithmetic per byte, which
 // leaves the out-of-order window too few loads in flight to cover memory
-// latency: each K and V row two chunks ahead is requested while its row of
-// this chunk is used (32 keys ahead, one 64-byte line per request), into L2
-// (prefetcht1): on the Intel Xeon VM the bf16 GQA step on two threads read
-// ~15 % more than with requests one chunk ahead into L1, which left it at
-// ~9 GB/s per core whatever the distance. One head per row (MHA) keeps
+// latency: each K and V row two chunks ahead (32 keys) is requested into L2
+// (prefetcht1), a line at a time beside the loads of the same columns of
+// this chunk's row — spread over the arithmetic, since a request waits for
+// a free fill buffer and a burst of them stalls the core (docs/PERFORMANCE.md,
+// "Design measurements": decoding prefetch). One head per row (MHA) keeps
 // enough loads in flight by itself; the requests would only slow it, so it
-// makes none (docs/PERFORMANCE.md, "Design measurements": decoding
-// prefetch).
+// makes none.
 constexpr int64_t kPrefetchKeys = 32;
 
 // Requests `bytes` bytes from `ahead` bytes past row into L2. The address
@@ -159,7 +158,7 @@ void FromPairOrder(const float* y, int64_t n, float* x) {
 // kTokens, each K vector loaded (and widened) once for the G entries and
 // each q vector once for the group's tokens — G * kTokens accumulators, one
 // load per FMA or fewer — and the per-token partial sums go through `part`
-// [G][16][16] and one 16 x 16 transpose per entry. kPairs: bf16 rows read
+// [G][16][16] and ReduceParts. kPairs: bf16 rows read
 // as word pairs, q in pair order (d a multiple of 32): the same sums in
 // another order.
 template <int G, typename T, bool kPairs = false>
@@ -174,10 +173,18 @@ RINGSPLASH_INLINE void Dots(const DecodeHead* h, const T* k, int64_t ldk, int64_
     for (int t = 0; t < kTokens; ++t) {
       row[t] = k + std::min(j0 + t, rows - 1) * ldk;
       present[t] = j0 + t < rows ? static_cast<__mmask16>(0xffff) : 0;
-      if constexpr (G >= 2) {
-        if (j0 + t < rows) PrefetchRow(row[t], kPrefetchKeys * ldk * sizeof(T), d * sizeof(T));
-      }
     }
+    // The line of each row kPrefetchKeys ahead that holds the columns read
+    // next (64 bytes: 32 bf16 or 16 f32 columns).
+    const int64_t ahead = kPrefetchKeys * ldk * static_cast<int64_t>(sizeof(T));
+    auto request = [&](int64_t c) RINGSPLASH_INLINE_LAMBDA {
+      if constexpr (G >= 2) {
+        RINGSPLASH_UNROLL
+        for (int t = 0; t < kTokens; ++t) {
+          if (present[t] != 0) PrefetchRow(row[t] + c, ahead, 64);
+        }
+      }
+    };
     __m512 acc[G][kTokens];
     RINGSPLASH_UNROLL
     for (int i = 0; i < G; ++i) {
@@ -186,6 +193,7 @@ RINGSPLASH_INLINE void Dots(const DecodeHead* h, const T* k, int64_t ldk, int64_
     }
     if constexpr (kPairs) {
       for (int64_t c = 0; c < d; c += 32) {
+        request(c);
         __m512 even[kTokens], odd[kTokens];
         RINGSPLASH_UNROLL
         for (int t = 0; t < kTokens; ++t) {
@@ -202,6 +210,7 @@ RINGSPLASH_INLINE void Dots(const DecodeHead* h, const T* k, int64_t ldk, int64_
       }
     } else {
       for (int64_t c = 0; c < d; c += 16) {
+        if (c % (64 / static_cast<int64_t>(sizeof(T))) == 0) request(c);
         const __mmask16 live = LaneMask(d - c);
         __m512 kv[kTokens];
         RINGSPLASH_UNROLL
@@ -252,7 +261,9 @@ RINGSPLASH_INLINE void AddRows(const DecodeHead* h, const float (&p)[kMaxShare][
     for (int j = 0; j < rows; ++j) {
       const T* row = v + j * ldv + c0;
       if constexpr (G >= 2) {
-        if (c0 == 0) PrefetchRow(row, kPrefetchKeys * ldv * sizeof(T), dv * sizeof(T));
+        // This pass's columns of the row kPrefetchKeys ahead.
+        PrefetchRow(row, kPrefetchKeys * ldv * static_cast<int64_t>(sizeof(T)),
+                    std::min<int64_t>(16 * NV, dv - c0) * static_cast<int64_t>(sizeof(T)));
       }
       __m512 vv[NV];
       RINGSPLASH_UNROLL
@@ -278,7 +289,7 @@ RINGSPLASH_INLINE void AddRows(const DecodeHead* h, const float (&p)[kMaxShare][
 template <int G, int NW>
 RINGSPLASH_INLINE void AddRowsPairsAt(const DecodeHead* h, const float (&p)[kMaxShare][16],
                                       const float (&alpha)[kMaxShare], const uint16_t* v,
-                                      int64_t ldv, int64_t dv, int rows, int64_t c0) {
+                                      int64_t ldv, int rows, int64_t c0) {
   __m512 a[G][2 * NW];
   RINGSPLASH_UNROLL
   for (int i = 0; i < G; ++i) {
@@ -291,7 +302,7 @@ RINGSPLASH_INLINE void AddRowsPairsAt(const DecodeHead* h, const float (&p)[kMax
   for (int j = 0; j < rows; ++j) {
     const uint16_t* row = v + j * ldv + c0;
     if constexpr (G >= 2) {
-      if (c0 == 0) PrefetchRow(row, kPrefetchKeys * ldv * 2, dv * 2);
+      PrefetchRow(row, kPrefetchKeys * ldv * 2, 64 * NW);  // this pass's columns
     }
     __m512 vv[2 * NW];
     RINGSPLASH_UNROLL
@@ -318,10 +329,9 @@ RINGSPLASH_INLINE void AddRowsPairs(const DecodeHead* h, const float (&p)[kMaxSh
                                     int64_t dv, int rows) {
   constexpr int NW = G <= 4 ? 2 : 1;  // as AddRows: 2 NW vectors per head in registers
   int64_t c0 = 0;
-  for (; c0 + 32 * NW <= dv; c0 += 32 * NW)
-    AddRowsPairsAt<G, NW>(h, p, alpha, v, ldv, dv, rows, c0);
+  for (; c0 + 32 * NW <= dv; c0 += 32 * NW) AddRowsPairsAt<G, NW>(h, p, alpha, v, ldv, rows, c0);
   if constexpr (NW > 1) {
-    if (c0 < dv) AddRowsPairsAt<G, 1>(h, p, alpha, v, ldv, dv, rows, c0);
+    if (c0 < dv) AddRowsPairsAt<G, 1>(h, p, alpha, v, ldv, rows, c0);
   }
 }
 
