@@ -27,7 +27,10 @@ namespace {
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr int kLanes = 8;
 constexpr int kMaxShare = static_cast<int>(kMaxDecodeShare);
-constexpr int64_t kPrefetchKeys = 16;  // as on AVX-512: two chunks ahead here
+// As on AVX-512 (decode/step_avx512.cc): K and V rows 32 keys (four chunks
+// here) ahead, into L2, a line at a time beside the loads of the same
+// columns.
+constexpr int64_t kPrefetchKeys = 32;
 
 // Lanes [0, n) set (n in 0..8), as the vmaskmov mask.
 RINGSPLASH_INLINE __m256i LaneMask(int64_t n) {
@@ -78,14 +81,14 @@ RINGSPLASH_INLINE float HorizontalSum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// Requests `bytes` bytes from `ahead` bytes past row into L1 (the address
+// Requests `bytes` bytes from `ahead` bytes past row into L2 (the address
 // formed as an integer: it may lie past the tensor's end; prefetches never
 // fault).
 template <typename T>
 RINGSPLASH_INLINE void PrefetchRow(const T* row, int64_t ahead, int64_t bytes) {
   const uintptr_t at = reinterpret_cast<uintptr_t>(row) + static_cast<uintptr_t>(ahead);
   for (int64_t o = 0; o < bytes; o += 64) {
-    _mm_prefetch(reinterpret_cast<const char*>(at + static_cast<uintptr_t>(o)), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(at + static_cast<uintptr_t>(o)), _MM_HINT_T1);
   }
 }
 
@@ -104,10 +107,8 @@ RINGSPLASH_INLINE void Dots(const DecodeHead* h, const T* k, int64_t ldk, int64_
     for (int t = 0; t < kTokens; ++t) {
       present[t] = j0 + t < rows;
       row[t] = k + std::min(j0 + t, rows - 1) * ldk;
-      if constexpr (G >= 2) {
-        if (present[t]) PrefetchRow(row[t], kPrefetchKeys * ldk * sizeof(T), d * sizeof(T));
-      }
     }
+    const int64_t ahead = kPrefetchKeys * ldk * static_cast<int64_t>(sizeof(T));
     __m256 acc[G][kTokens];
     RINGSPLASH_UNROLL
     for (int i = 0; i < G; ++i) {
@@ -115,6 +116,14 @@ RINGSPLASH_INLINE void Dots(const DecodeHead* h, const T* k, int64_t ldk, int64_
       for (int t = 0; t < kTokens; ++t) acc[i][t] = _mm256_setzero_ps();
     }
     for (int64_t c = 0; c < d; c += kLanes) {
+      if constexpr (G >= 2) {
+        if (c % (64 / static_cast<int64_t>(sizeof(T))) == 0) {  // the line these columns open
+          RINGSPLASH_UNROLL
+          for (int t = 0; t < kTokens; ++t) {
+            if (present[t]) PrefetchRow(row[t] + c, ahead, 64);
+          }
+        }
+      }
       const int64_t n = d - c;
       __m256 kv[kTokens];
       RINGSPLASH_UNROLL
@@ -165,7 +174,9 @@ RINGSPLASH_INLINE void AddRows(const DecodeHead* h, const float (&p)[kMaxShare][
     for (int j = 0; j < rows; ++j) {
       const T* row = v + j * ldv + c0;
       if constexpr (G >= 2) {
-        if (c0 == 0) PrefetchRow(row, kPrefetchKeys * ldv * sizeof(T), dv * sizeof(T));
+        // This pass's columns of the row kPrefetchKeys ahead.
+        PrefetchRow(row, kPrefetchKeys * ldv * static_cast<int64_t>(sizeof(T)),
+                    std::min<int64_t>(kLanes * NV, dv - c0) * static_cast<int64_t>(sizeof(T)));
       }
       RINGSPLASH_UNROLL
       for (int u = 0; u < NV; ++u) {
