@@ -7,12 +7,14 @@
 #include <gtest/gtest.h>
 
 #include <array>
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "ringsplash/attention.h"
@@ -632,23 +634,39 @@ TEST(CopyConvertTest, CheckedBF16OverflowAndTheEdgesOfTheRange) {
 }
 
 // Unit-stride f32 -> bf16 rows take a loop of their own (vectorised): it
-// must round as F32ToBF16 does, element by element, and report the first
-// overflow in row-major order past NaN and infinities already in the data,
-// as the strided path does.
+// must round as F32ToBF16 does, element by element (ties to even, NaN kept
+// and made quiet), and report the first overflow in row-major order past NaN
+// and infinities already in the data, as the strided path does — also in
+// the columns past the last full vector.
 TEST(CopyConvertTest, ContiguousBF16RowsRoundAndReportTheFirstOverflow) {
   const float max = std::numeric_limits<float>::max();
   const float inf = std::numeric_limits<float>::infinity();
+  auto bits = [](uint32_t u) { return std::bit_cast<float>(u); };
   Tensor src(DType::kF32, {3, 37});
   float* s = src.data_as<float>();
-  for (int64_t i = 0; i < src.numel(); ++i)
-    s[i] = std::ldexp(1.0f + 0.0078125f * (i % 7), i % 40 - 20);
-  s[5] = std::numeric_limits<float>::quiet_NaN();
-  s[6] = -inf;
+  for (int64_t i = 0; i < src.numel(); ++i) {
+    s[i] = std::ldexp(1.0f + 0.0078125f * static_cast<float>(i % 7), static_cast<int>(i % 40) - 20);
+  }
+  // Values whose bf16 is known from the format alone (the rows before the
+  // first overflow hold every kind).
+  const std::pair<int64_t, std::pair<float, uint16_t>> known[] = {
+      {5, {std::numeric_limits<float>::quiet_NaN(), 0x7fc0}},
+      {6, {-inf, 0xff80}},
+      {37 + 10, {bits(0xffffffffu), 0xffff}},  // a NaN that plain rounding would wrap to +0
+      {37 + 11, {bits(0x7f800001u), 0x7fc0}},  // signalling NaN: made quiet
+      {37 + 12, {inf, 0x7f80}},
+      {37 + 13, {bits(0x3f808000u), 0x3f80}},  // a tie: to the even neighbour below
+      {37 + 14, {bits(0x3f818000u), 0x3f82}},  // a tie: to the even neighbour above
+      {37 + 15, {bits(0x7f7f7fffu), 0x7f7f}},  // just below the overflow threshold
+  };
+  for (const auto& [at, v] : known) s[at] = v.first;
   s[37 + 30] = -max;  // the first overflow, row 1
   s[37 + 31] = max;
   s[2 * 37 + 2] = max;
   Tensor dst(DType::kBF16, {3, 37});
   EXPECT_EQ(CopyConvertFindOverflow(src.view(), dst.view()), 37 + 30);
+  for (const auto& [at, v] : known) EXPECT_EQ(dst.data_as<uint16_t>()[at], v.second) << at;
+  EXPECT_EQ(dst.data_as<uint16_t>()[37 + 30], 0xff80);
   // The same through a strided destination (the element-wise path).
   Tensor wide(DType::kBF16, {3, 74});
   TensorView strided = wide.view();
@@ -656,12 +674,28 @@ TEST(CopyConvertTest, ContiguousBF16RowsRoundAndReportTheFirstOverflow) {
   strided.stride[1] = 2;
   EXPECT_EQ(CopyConvertFindOverflow(src.view(), strided), 37 + 30);
   for (int64_t i = 0; i < src.numel(); ++i) {
-    const uint16_t want = F32ToBF16(s[i]);
-    EXPECT_EQ(dst.data_as<uint16_t>()[i], want) << i;
-    EXPECT_EQ(wide.data_as<uint16_t>()[(i / 37) * 74 + (i % 37) * 2], want) << i;
+    EXPECT_EQ(dst.data_as<uint16_t>()[i], wide.data_as<uint16_t>()[(i / 37) * 74 + (i % 37) * 2])
+        << i;
   }
+  // An overflow only in the tail columns (32..36) of the last row.
   s[37 + 30] = s[37 + 31] = s[2 * 37 + 2] = 1.0f;
   EXPECT_EQ(CopyConvertFindOverflow(src.view(), dst.view()), -1);
+  s[2 * 37 + 35] = bits(0x7f7f8000u);  // rounds up to +inf
+  EXPECT_EQ(CopyConvertFindOverflow(src.view(), dst.view()), 2 * 37 + 35);
+}
+
+TEST(CopyConvertTest, Bf16OverflowedIsAFiniteValueRoundedToInfinity) {
+  const float max = std::numeric_limits<float>::max();
+  const float inf = std::numeric_limits<float>::infinity();
+  auto over = [](float f) { return Bf16Overflowed(f, F32ToBF16(f)); };
+  EXPECT_TRUE(over(max));
+  EXPECT_TRUE(over(-max));
+  EXPECT_TRUE(over(std::bit_cast<float>(0x7f7f8000u)));
+  EXPECT_FALSE(over(std::bit_cast<float>(0x7f7f7fffu)));
+  EXPECT_FALSE(over(inf));
+  EXPECT_FALSE(over(-inf));
+  EXPECT_FALSE(over(std::numeric_limits<float>::quiet_NaN()));
+  EXPECT_FALSE(over(1.0f));
 }
 
 // The NaN rule: NaN and infinities that the caller's data already holds are

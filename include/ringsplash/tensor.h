@@ -60,8 +60,8 @@ inline uint16_t F32ToBF16(float f) {
   const uint32_t quiet_nan = (u >> 16) | 0x40u;
   return static_cast<uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded);
 }
-// Whether F32ToBF16(f) == h is an infinity that f, finite, rounded to: a
-// select as well.
+// Whether h = F32ToBF16(f) overflowed: f is finite and h is an infinity
+// (also a select, for vectorised loops).
 inline bool Bf16Overflowed(float f, uint16_t h) {
   uint32_t u;
   std::memcpy(&u, &f, 4);

@@ -2,11 +2,10 @@
 // design (decode/step_avx512.cc) on 8-lane vectors — chunks of 8 keys,
 // their 8 dot products reduced by horizontal adds, an exact online-softmax
 // step per chunk, P V into register accumulators, entries sharing K/V rows
-// taking each loaded vector together, the next chunk's rows prefetched for
-// them. AVX2 has no masked 16-bit loads: bf16 column tails go through a
-// small zeroed buffer, f32 tails through vmaskmov (which never faults on the
-// lanes it leaves out). With 16 vector registers, fewer tokens and columns
-// are held at once than on AVX-512.
+// taking each loaded vector together, and their rows four chunks ahead
+// requested into L2 a line at a time. AVX2 has no masked 16-bit loads: bf16 column tails go through
+// a small zeroed buffer, f32 tails through vmaskmov (which never faults on the lanes it leaves
+// out). With 16 vector registers, fewer tokens and columns are held at once than on AVX-512.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -173,10 +172,13 @@ RINGSPLASH_INLINE void AddRows(const DecodeHead* h, const float (&p)[kMaxShare][
     }
     for (int j = 0; j < rows; ++j) {
       const T* row = v + j * ldv + c0;
+      // This pass's columns of the row kPrefetchKeys ahead, from the passes
+      // that open a line (a pass may cover less than one: 8 or 16 columns).
       if constexpr (G >= 2) {
-        // This pass's columns of the row kPrefetchKeys ahead.
-        PrefetchRow(row, kPrefetchKeys * ldv * static_cast<int64_t>(sizeof(T)),
-                    std::min<int64_t>(kLanes * NV, dv - c0) * static_cast<int64_t>(sizeof(T)));
+        if (c0 % (64 / static_cast<int64_t>(sizeof(T))) == 0) {
+          PrefetchRow(row, kPrefetchKeys * ldv * static_cast<int64_t>(sizeof(T)),
+                      std::min<int64_t>(kLanes * NV, dv - c0) * static_cast<int64_t>(sizeof(T)));
+        }
       }
       RINGSPLASH_UNROLL
       for (int u = 0; u < NV; ++u) {

@@ -6,7 +6,7 @@
 // elsewhere — it copies each head's strided rows into a per-thread tile (one
 // more write and read of every byte) and its transposed score tile fills 1
 // of 16 query lanes per row. Here the 16 scores of a chunk are 16 dot
-// products over D (reduced by one 16 x 16 transpose), the softmax step is
+// products over D (their partial sums reduced by a merge tree), the softmax step is
 // exact per chunk (16 lanes: no lazy rescaling needed), and P V adds 16 rows
 // into acc in registers; every row's part of a chunk is done before the next
 // chunk, so the K (then V) rows of a token for all the heads of a work item
@@ -158,9 +158,8 @@ void FromPairOrder(const float* y, int64_t n, float* x) {
 // kTokens, each K vector loaded (and widened) once for the G entries and
 // each q vector once for the group's tokens — G * kTokens accumulators, one
 // load per FMA or fewer — and the per-token partial sums go through `part`
-// [G][16][16] and ReduceParts. kPairs: bf16 rows read
-// as word pairs, q in pair order (d a multiple of 32): the same sums in
-// another order.
+// [G][16][16] and ReduceParts. kPairs: bf16 rows read as word pairs, q in
+// pair order (d a multiple of 32): the same sums in another order.
 template <int G, typename T, bool kPairs = false>
 RINGSPLASH_INLINE void Dots(const DecodeHead* h, const T* k, int64_t ldk, int64_t d, int rows,
                             float* part, __m512 (&x)[G]) {
