@@ -68,6 +68,17 @@ inline bool Bf16Overflowed(float f, uint16_t h) {
   return static_cast<bool>(static_cast<uint32_t>((u & 0x7fffffffu) < 0x7f800000u) &
                            static_cast<uint32_t>((h & 0x7fffu) == 0x7f80u));
 }
+// dst[0, n) = F32ToBF16(src[0, n)) (no overlap); whether a value overflowed
+// (Bf16Overflowed). One loop without branches: it vectorises.
+inline bool F32ToBF16Row(const float* src, uint16_t* dst, int64_t n) {
+  uint32_t over = 0;
+  for (int64_t e = 0; e < n; ++e) {
+    const uint16_t h = F32ToBF16(src[e]);
+    dst[e] = h;
+    over |= static_cast<uint32_t>(Bf16Overflowed(src[e], h));
+  }
+  return over != 0;
+}
 inline float BF16ToF32(uint16_t h) {
   uint32_t u = static_cast<uint32_t>(h) << 16;
   float f;

@@ -290,13 +290,7 @@ int64_t ConvertRow16(const TensorView& src, int64_t so, int64_t ss, uint16_t* d,
 // loop vectorises (~3 ns per element before); the first overflow is looked
 // for only if there is one.
 int64_t ConvertRowF32ToBf16(const float* s, uint16_t* d, int64_t n) {
-  uint32_t over = 0;
-  for (int64_t e = 0; e < n; ++e) {
-    const uint16_t h = F32ToBF16(s[e]);
-    d[e] = h;
-    over |= static_cast<uint32_t>(Bf16Overflowed(s[e], h));
-  }
-  if (over == 0) return -1;
+  if (!F32ToBF16Row(s, d, n)) return -1;
   for (int64_t e = 0; e < n; ++e) {
     if (Bf16Overflowed(s[e], d[e])) return e;
   }
