@@ -19,6 +19,7 @@
 
 #include "ringsplash/attention.h"
 #include "ringsplash/error.h"
+#include "src/core/huge_pages.h"
 #include "tests/support/reference.h"
 #include "tests/support/test_util.h"
 
@@ -505,6 +506,34 @@ TEST(TensorTest, ZeroFilledAlignedAndMovable) {
   Tensor empty(DType::kF32, {0, 4});
   EXPECT_EQ(empty.numel(), 0);
   EXPECT_THROW(Tensor(DType::kF32, {-1}), Error);
+}
+
+// Tensors of kHugeMinBytes and more start on a 2 MiB boundary (so
+// transparent huge pages can back them, core/huge_pages.h) and are zero
+// filled to their last byte like small ones; moving one keeps its memory.
+TEST(TensorTest, LargeTensorsAreHugePageAlignedAndZeroFilled) {
+  const int64_t rows = static_cast<int64_t>(kHugeMinBytes / (2 * 1000)) + 1;  // not whole blocks
+  Tensor t(DType::kBF16, {rows, 1000});
+  ASSERT_GE(t.bytes(), kHugeMinBytes);
+  // Under AddressSanitizer every tensor comes from its allocator instead.
+  const uintptr_t align = kMapHugePages ? kHugePageBytes : 64;
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(t.data()) % align, 0u);
+  const auto* bytes = static_cast<const unsigned char*>(t.data());
+  size_t nonzero = 0;
+  for (size_t i = 0; i < t.bytes(); ++i) nonzero += bytes[i] != 0 ? 1 : 0;
+  EXPECT_EQ(nonzero, 0u);
+  t.data_as<uint16_t>()[t.numel() - 1] = 0x3F80;  // the last element is writable
+  void* p = t.data();
+  Tensor u(std::move(t));
+  EXPECT_EQ(u.data(), p);
+  EXPECT_EQ(u.data_as<uint16_t>()[u.numel() - 1], 0x3F80);
+  Tensor just_below(DType::kBool, {static_cast<int64_t>(kHugeMinBytes) - 1});
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(just_below.data()) % 64, 0u);
+  // Move assignment frees the old memory by its own size (mapped or not).
+  just_below = std::move(u);
+  EXPECT_EQ(just_below.data(), p);
+  u = Tensor(DType::kBool, {7});
+  EXPECT_NE(u.data(), nullptr);
 }
 
 TEST(TensorTest, LoadStoreEveryDtype) {

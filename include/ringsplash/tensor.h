@@ -148,8 +148,13 @@ struct TensorView {
 // Streams t.Describe().
 std::ostream& operator<<(std::ostream& os, const TensorView& t);
 
-// Owning, C-order tensor (64-byte aligned). Used by the CLI, tests and the
-// ring's scratch buffers.
+// Owning, C-order tensor, zero filled: 64-byte aligned; from 4 MiB on,
+// mapped for it, 2 MiB aligned and (Linux) advised onto transparent huge
+// pages (not under AddressSanitizer), because the kernels read one head's
+// rows far apart (one 4 KiB page per K/V row and head otherwise). Used by
+// the CLI, tests and the ring's scratch buffers. Arrays from other
+// allocators (NumPy, PyTorch) get the pages their allocator gives; see
+// docs/PERFORMANCE.md, "Design measurements": huge pages for tensors.
 class Tensor {
  public:
   Tensor() = default;
@@ -172,6 +177,11 @@ class Tensor {
   size_t bytes() const { return static_cast<size_t>(numel()) * DTypeSize(dtype_); }
 
  private:
+  // Whether a tensor of `bytes` is mapped (core/huge_pages.h) rather than
+  // on the C heap: a function of the size, so the destructor knows which
+  // without storing it.
+  static bool Mapped(size_t bytes);
+  void Release() noexcept;
   void* data_ = nullptr;
   DType dtype_ = DType::kF32;
   std::vector<int64_t> shape_;

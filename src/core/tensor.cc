@@ -1,13 +1,16 @@
 // Tensor views, dtype helpers and the owning Tensor.
 #include "ringsplash/tensor.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <limits>
 #include <sstream>
 #include <utility>
 
 #include "ringsplash/error.h"
+#include "src/core/huge_pages.h"
 
 namespace ringsplash {
 
@@ -201,10 +204,29 @@ std::ostream& operator<<(std::ostream& os, const TensorView& t) { return os << t
 Tensor::Tensor(DType dtype, std::vector<int64_t> shape) : dtype_(dtype), shape_(std::move(shape)) {
   for (int64_t d : shape_) Check(d >= 0, "Tensor: negative dimension ", d);
   const size_t n = bytes();
-  const size_t rounded = (n + 63) / 64 * 64;
-  data_ = std::aligned_alloc(64, rounded == 0 ? 64 : rounded);
+  // Large tensors on transparent huge pages (core/huge_pages.h): the
+  // kernels read their rows far apart. Mapped memory comes zero filled.
+  if (Mapped(n)) {
+    data_ = MapHugePages(n);
+    if (data_ == nullptr) Fail("Tensor: out of memory allocating ", n, " bytes");
+    return;
+  }
+  const size_t size = std::max<size_t>(64, (n + 63) / 64 * 64);
+  data_ = std::aligned_alloc(64, size);
   if (data_ == nullptr) Fail("Tensor: out of memory allocating ", n, " bytes");
-  std::memset(data_, 0, rounded == 0 ? 64 : rounded);
+  std::memset(data_, 0, size);
+}
+
+bool Tensor::Mapped(size_t bytes) { return kMapHugePages && bytes >= kHugeMinBytes; }
+
+void Tensor::Release() noexcept {
+  if (data_ == nullptr) return;
+  if (Mapped(bytes())) {
+    UnmapHugePages(data_, bytes());
+  } else {
+    std::free(data_);
+  }
+  data_ = nullptr;
 }
 
 Tensor::Tensor(Tensor&& o) noexcept
@@ -212,7 +234,7 @@ Tensor::Tensor(Tensor&& o) noexcept
 
 Tensor& Tensor::operator=(Tensor&& o) noexcept {
   if (this != &o) {
-    std::free(data_);
+    Release();
     data_ = std::exchange(o.data_, nullptr);
     dtype_ = o.dtype_;
     shape_ = std::move(o.shape_);
@@ -220,7 +242,7 @@ Tensor& Tensor::operator=(Tensor&& o) noexcept {
   return *this;
 }
 
-Tensor::~Tensor() { std::free(data_); }
+Tensor::~Tensor() { Release(); }
 
 TensorView Tensor::view() const { return TensorView::Contiguous(data_, dtype_, shape_); }
 

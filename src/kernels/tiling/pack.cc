@@ -2,10 +2,6 @@
 // O(tile) once per tile and call, small next to the O(tile * D) products.
 #include "src/kernels/tiling/pack.h"
 
-#if defined(__linux__)
-#include <sys/mman.h>
-#endif
-
 #include <algorithm>
 #include <bit>
 #include <cstring>
@@ -13,25 +9,15 @@
 #include <new>
 #include <vector>
 
+#include "src/core/huge_pages.h"
+
 namespace ringsplash::kernels {
 
 namespace {
 
-constexpr size_t kHugePage = size_t{2} << 20;
-
 // Under AddressSanitizer blocks are never kept: a use after free of a
 // large buffer must reach the allocator to be reported.
-#if defined(__SANITIZE_ADDRESS__)
-constexpr bool kKeepBlocks = false;
-#elif defined(__has_feature)
-#if __has_feature(address_sanitizer)
-constexpr bool kKeepBlocks = false;
-#else
-constexpr bool kKeepBlocks = true;
-#endif
-#else
-constexpr bool kKeepBlocks = true;
-#endif
+constexpr bool kKeepBlocks = !kAddressSanitizer;
 
 // Large blocks released by one call, kept for the next (pack.h). A fixed
 // array, so that keeping a block (from a destructor) never allocates or
@@ -46,7 +32,7 @@ class BlockCache {
   }
 
   // The most recently kept block of exactly `bytes` (a multiple of
-  // kHugePage), or null.
+  // kHugePageBytes), or null.
   void* Take(size_t bytes) {
     std::lock_guard<std::mutex> lock(mu_);
     for (int i = count_; i-- > 0;) {
@@ -109,7 +95,7 @@ class BlockCache {
     return kept_bytes_;
   }
 
-  static void Free(void* p) noexcept { ::operator delete (p, std::align_val_t{kHugePage}); }
+  static void Free(void* p) noexcept { ::operator delete (p, std::align_val_t{kHugePageBytes}); }
 
  private:
   struct Block {
@@ -122,8 +108,6 @@ class BlockCache {
   size_t kept_bytes_ = 0;
 };
 
-size_t HugeBlockBytes(size_t bytes) { return (bytes + kHugePage - 1) / kHugePage * kHugePage; }
-
 }  // namespace
 
 void* AllocateBufferMemory(size_t bytes) {
@@ -132,17 +116,14 @@ void* AllocateBufferMemory(size_t bytes) {
   if (void* kept = BlockCache::Get().Take(block)) return kept;
   void* p = nullptr;
   try {
-    p = ::operator new (block, std::align_val_t{kHugePage});
+    p = ::operator new (block, std::align_val_t{kHugePageBytes});
   } catch (const std::bad_alloc&) {
     // Kept blocks of other sizes are what the memory went to: free them and
     // try once more.
     BlockCache::Get().Clear();
-    p = ::operator new (block, std::align_val_t{kHugePage});
+    p = ::operator new (block, std::align_val_t{kHugePageBytes});
   }
-#if defined(__linux__) && defined(MADV_HUGEPAGE)
-  // Advice only: where THP is off (or the kernel refuses), 4 KiB pages.
-  (void)madvise(p, block, MADV_HUGEPAGE);
-#endif
+  AdviseHugePages(p, block);
   return p;
 }
 

@@ -13,6 +13,7 @@
 #include <new>
 
 #include "ringsplash/tensor.h"
+#include "src/core/huge_pages.h"
 
 namespace ringsplash::kernels {
 
@@ -49,7 +50,7 @@ void PackRowsBf16Pairs(const Slab& s, uint16_t* dst, int64_t ld, int64_t nr_pad)
 // ReleaseCachedThreads gives back (and a failed allocation frees before it
 // tries again). Not under AddressSanitizer (KeepsBuffers()), so that a use
 // after free still reaches the allocator.
-inline constexpr size_t kHugeBytes = size_t{4} << 20;
+inline constexpr size_t kHugeBytes = kHugeMinBytes;
 inline constexpr size_t kMaxKeptBytes = size_t{1} << 30;
 void* AllocateBufferMemory(size_t bytes);
 void ReleaseBufferMemory(void* p, size_t bytes);
