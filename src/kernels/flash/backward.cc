@@ -375,9 +375,15 @@ void AccumulateKv(const Context& c, const QTile& qs, int64_t qb, int64_t kvb, fl
                    accumulate);
     return;
   }
-  c.mk.gemm_f32(n, g.dvp, m, ws.pt.data(), g.ld_q, 1, qs.dout, g.ld_dv, dv, g.ld_dv, nullptr,
-                accumulate);
-  c.mk.gemm_f32(n, g.dp, m, ws.ds.data(), g.ld_q, 1, qs.q, g.ld_d, dk, g.ld_d, nullptr, accumulate);
+  // In a partial tile, key j's rows of P^T and dS^T are zero outside the
+  // queries that may see it (masked lanes are written as 0): the products
+  // skip those (docs/PERFORMANCE.md, "Design measurements": masked ranges
+  // in the backward).
+  const micro::KRanges ranges = ws.masked ? ws.mask.queries_of_key() : micro::KRanges();
+  c.mk.gemm_f32_ranges(n, g.dvp, m, ws.pt.data(), g.ld_q, 1, qs.dout, g.ld_dv, dv, g.ld_dv, nullptr,
+                       accumulate, ranges);
+  c.mk.gemm_f32_ranges(n, g.dp, m, ws.ds.data(), g.ld_q, 1, qs.q, g.ld_d, dk, g.ld_d, nullptr,
+                       accumulate, ranges);
 }
 
 // dQ += dS K for the tile in ws (rows = its queries; K's pairs in slot
@@ -391,8 +397,10 @@ void AccumulateQ(const Context& c, const KvTile& kvt, int64_t qb, int64_t kvb, i
                    accumulate);
     return;
   }
-  c.mk.gemm_f32(g.QRows(qb), g.dp, g.KvRows(kvb), ws.ds.data(), 1, g.ld_q, kvt.k, kvt.ldk, dq,
-                g.ld_d, nullptr, accumulate);
+  // Query i's column of dS^T is zero outside the keys it may see.
+  c.mk.gemm_f32_ranges(g.QRows(qb), g.dp, g.KvRows(kvb), ws.ds.data(), 1, g.ld_q, kvt.k, kvt.ldk,
+                       dq, g.ld_d, nullptr, accumulate,
+                       ws.masked ? ws.mask.keys_of_query() : micro::KRanges());
 }
 
 void CountTile(BlockKind kind, const Geometry& g, int64_t m, int64_t n, WorkerStats& st) {
