@@ -197,6 +197,13 @@ bool TransposeF32(int64_t rows, int64_t cols, const float* src, int64_t lds, flo
     for (int64_t c0 = 0; c0 < cols; c0 += 16) {
       const int nc = static_cast<int>(std::min<int64_t>(16, cols - c0));
       const __mmask16 in = LaneMask(nc);
+      // The same 16 columns of the next 16 rows, requested now: rows of one
+      // head lie D * H floats apart (new lines, often a new page, every
+      // row), and the hardware prefetchers do not follow such a stride.
+      const int ahead = static_cast<int>(std::clamp<int64_t>(rows - r0 - 16, 0, 16));
+      for (int i = 0; i < ahead; ++i) {
+        _mm_prefetch(reinterpret_cast<const char*>(src + (r0 + 16 + i) * lds + c0), _MM_HINT_T0);
+      }
       __m512 r[16];
       RINGSPLASH_UNROLL
       for (int i = 0; i < 16; ++i) {
