@@ -91,54 +91,82 @@ RINGSPLASH_INLINE void PrefetchRow(const T* row, int64_t ahead, int64_t bytes) {
   }
 }
 
+// Elements [0, 8) of src as f32: Load8 without the tail case.
+template <typename T>
+RINGSPLASH_INLINE __m256 LoadFull8(const T* src) {
+  if constexpr (std::is_same_v<T, float>) {
+    return _mm256_loadu_ps(src);
+  } else {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+}
+
 // Scores of G entries sharing K rows: lane j < rows of x[i] = q_i . k_j,
 // lanes >= rows 0. Tokens in groups of kTokens (each K vector loaded once
 // for the entries, each q vector once for the group); per-token partial
-// sums through `part` [G][8][8].
+// sums through `part` [G][8][8]. Tokens past `rows` read the last row again
+// (their sums are never used), so the column loop has no per-token tests;
+// whole cache lines of columns run without the tail's masked loads. With
+// fewer than 8 accumulators (G * kTokens < 8), two sets take alternate
+// column steps: an FMA's latency is 4 cycles on 2 pipes.
 template <int G, typename T>
 RINGSPLASH_INLINE void Dots(const DecodeHead* h, const T* k, int64_t ldk, int64_t d, int rows,
                             float* part, __m256 (&x)[G]) {
   constexpr int kTokens = G <= 2 ? 4 : (G <= 4 ? 2 : 1);  // G * kTokens + kTokens + 1 <= 16
+  constexpr int kSets = G * kTokens < 8 ? 2 : 1;           // kSets * G * kTokens <= 12
+  constexpr int64_t kPerLine = 64 / static_cast<int64_t>(sizeof(T));  // elements per line
+  constexpr int kStepsPerLine = static_cast<int>(kPerLine / kLanes);
+  const int64_t ahead = kPrefetchKeys * ldk * static_cast<int64_t>(sizeof(T));
   for (int j0 = 0; j0 < rows; j0 += kTokens) {
     const T* row[kTokens];
-    bool present[kTokens];
     RINGSPLASH_UNROLL
-    for (int t = 0; t < kTokens; ++t) {
-      present[t] = j0 + t < rows;
-      row[t] = k + std::min(j0 + t, rows - 1) * ldk;
-    }
-    const int64_t ahead = kPrefetchKeys * ldk * static_cast<int64_t>(sizeof(T));
-    __m256 acc[G][kTokens];
+    for (int t = 0; t < kTokens; ++t) row[t] = k + std::min(j0 + t, rows - 1) * ldk;
+    __m256 acc[kSets][G][kTokens];
     RINGSPLASH_UNROLL
-    for (int i = 0; i < G; ++i) {
-      RINGSPLASH_UNROLL
-      for (int t = 0; t < kTokens; ++t) acc[i][t] = _mm256_setzero_ps();
-    }
-    for (int64_t c = 0; c < d; c += kLanes) {
-      if constexpr (G >= 2) {
-        if (c % (64 / static_cast<int64_t>(sizeof(T))) == 0) {  // the line these columns open
-          RINGSPLASH_UNROLL
-          for (int t = 0; t < kTokens; ++t) {
-            if (present[t]) PrefetchRow(row[t] + c, ahead, 64);
-          }
-        }
-      }
-      const int64_t n = d - c;
-      __m256 kv[kTokens];
-      RINGSPLASH_UNROLL
-      for (int t = 0; t < kTokens; ++t) kv[t] = Load8(row[t] + c, present[t] ? n : 0);
+    for (int s = 0; s < kSets; ++s) {
       RINGSPLASH_UNROLL
       for (int i = 0; i < G; ++i) {
-        const __m256 qv = Load8(h[i].q + c, n);
         RINGSPLASH_UNROLL
-        for (int t = 0; t < kTokens; ++t) acc[i][t] = _mm256_fmadd_ps(qv, kv[t], acc[i][t]);
+        for (int t = 0; t < kTokens; ++t) acc[s][i][t] = _mm256_setzero_ps();
       }
+    }
+    // Columns [c, c + 8) into set s; n < 8 (the tail) loads only n.
+    auto step = [&](int64_t c, int s, int64_t n) RINGSPLASH_INLINE_LAMBDA {
+      __m256 kv[kTokens];
+      RINGSPLASH_UNROLL
+      for (int t = 0; t < kTokens; ++t) kv[t] = n >= kLanes ? LoadFull8(row[t] + c) : Load8(row[t] + c, n);
+      RINGSPLASH_UNROLL
+      for (int i = 0; i < G; ++i) {
+        const __m256 qv = n >= kLanes ? LoadFull8(h[i].q + c) : Load8(h[i].q + c, n);
+        RINGSPLASH_UNROLL
+        for (int t = 0; t < kTokens; ++t) acc[s][i][t] = _mm256_fmadd_ps(qv, kv[t], acc[s][i][t]);
+      }
+    };
+    int64_t c = 0;
+    for (; c + kPerLine <= d; c += kPerLine) {
+      if constexpr (G >= 2) {  // the line these columns open, kPrefetchKeys rows ahead
+        RINGSPLASH_UNROLL
+        for (int t = 0; t < kTokens; ++t) PrefetchRow(row[t] + c, ahead, 64);
+      }
+      RINGSPLASH_UNROLL
+      for (int u = 0; u < kStepsPerLine; ++u) step(c + u * kLanes, u % kSets, kLanes);
+    }
+    if (c < d) {  // a partial line: whole vectors, then the tail
+      if constexpr (G >= 2) {
+        RINGSPLASH_UNROLL
+        for (int t = 0; t < kTokens; ++t) PrefetchRow(row[t] + c, ahead, 64);
+      }
+      for (; c + kLanes <= d; c += kLanes) step(c, 0, kLanes);
+      if (c < d) step(c, 0, d - c);
     }
     RINGSPLASH_UNROLL
     for (int i = 0; i < G; ++i) {
       RINGSPLASH_UNROLL
       for (int t = 0; t < kTokens; ++t) {
-        _mm256_store_ps(part + (i * kLanes + j0 + t) * kLanes, acc[i][t]);
+        __m256 sum = acc[0][i][t];
+        if constexpr (kSets == 2) sum = _mm256_add_ps(sum, acc[1][i][t]);
+        _mm256_store_ps(part + (i * kLanes + j0 + t) * kLanes, sum);
       }
     }
   }
@@ -170,31 +198,46 @@ RINGSPLASH_INLINE void AddRows(const DecodeHead* h, const float (&p)[kMaxShare][
         a[i][u] = _mm256_mul_ps(Load8(h[i].acc + c0 + kLanes * u, dv - c0 - kLanes * u), va);
       }
     }
-    for (int j = 0; j < rows; ++j) {
-      const T* row = v + j * ldv + c0;
-      // This pass's columns of the row kPrefetchKeys ahead, from the passes
-      // that open a line (a pass may cover less than one: 8 or 16 columns).
-      if constexpr (G >= 2) {
-        if (c0 % (64 / static_cast<int64_t>(sizeof(T))) == 0) {
-          PrefetchRow(row, kPrefetchKeys * ldv * static_cast<int64_t>(sizeof(T)),
-                      std::min<int64_t>(kLanes * NV, dv - c0) * static_cast<int64_t>(sizeof(T)));
-        }
-      }
-      RINGSPLASH_UNROLL
-      for (int u = 0; u < NV; ++u) {
-        const __m256 vv = Load8(row + kLanes * u, dv - c0 - kLanes * u);
+    // This pass's columns of each row kPrefetchKeys ahead, from the passes
+    // that open a line (a pass may cover less than one: 8 or 16 columns).
+    const bool prefetch = G >= 2 && c0 % (64 / static_cast<int64_t>(sizeof(T))) == 0;
+    const int64_t ahead = kPrefetchKeys * ldv * static_cast<int64_t>(sizeof(T));
+    const int64_t bytes =
+        std::min<int64_t>(kLanes * NV, dv - c0) * static_cast<int64_t>(sizeof(T));
+    // kFull: all NV vectors of the pass lie inside [0, dv) (every pass but
+    // a last partial one), loaded without the tail's tests.
+    auto rows_pass = [&](auto full) RINGSPLASH_INLINE_LAMBDA {
+      for (int j = 0; j < rows; ++j) {
+        const T* row = v + j * ldv + c0;
+        if (prefetch) PrefetchRow(row, ahead, bytes);
         RINGSPLASH_UNROLL
-        for (int i = 0; i < G; ++i) {
-          a[i][u] = _mm256_fmadd_ps(_mm256_set1_ps(p[i][j]), vv, a[i][u]);
+        for (int u = 0; u < NV; ++u) {
+          const __m256 vv = decltype(full)::value ? LoadFull8(row + kLanes * u)
+                                                  : Load8(row + kLanes * u, dv - c0 - kLanes * u);
+          RINGSPLASH_UNROLL
+          for (int i = 0; i < G; ++i) {
+            a[i][u] = _mm256_fmadd_ps(_mm256_set1_ps(p[i][j]), vv, a[i][u]);
+          }
         }
       }
+    };
+    if (c0 + kLanes * NV <= dv) {
+      rows_pass(std::true_type{});
+    } else {
+      rows_pass(std::false_type{});
     }
     RINGSPLASH_UNROLL
     for (int i = 0; i < G; ++i) {
       RINGSPLASH_UNROLL
       for (int u = 0; u < NV; ++u) {
+        // vmaskmovps stores are microcoded on AMD cores (about a third of
+        // the step's time when every store took one): only the tail does.
         const int64_t c = c0 + kLanes * u;
-        if (c < dv) _mm256_maskstore_ps(h[i].acc + c, LaneMask(dv - c), a[i][u]);
+        if (dv - c >= kLanes) {
+          _mm256_storeu_ps(h[i].acc + c, a[i][u]);
+        } else if (c < dv) {
+          _mm256_maskstore_ps(h[i].acc + c, LaneMask(dv - c), a[i][u]);
+        }
       }
     }
   }
