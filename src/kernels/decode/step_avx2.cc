@@ -114,7 +114,7 @@ template <int G, typename T>
 RINGSPLASH_INLINE void Dots(const DecodeHead* h, const T* k, int64_t ldk, int64_t d, int rows,
                             float* part, __m256 (&x)[G]) {
   constexpr int kTokens = G <= 2 ? 4 : (G <= 4 ? 2 : 1);  // G * kTokens + kTokens + 1 <= 16
-  constexpr int kSets = G * kTokens < 8 ? 2 : 1;           // kSets * G * kTokens <= 12
+  constexpr int kSets = G * kTokens < 8 ? 2 : 1;          // kSets * G * kTokens <= 12
   constexpr int64_t kPerLine = 64 / static_cast<int64_t>(sizeof(T));  // elements per line
   constexpr int kStepsPerLine = static_cast<int>(kPerLine / kLanes);
   const int64_t ahead = kPrefetchKeys * ldk * static_cast<int64_t>(sizeof(T));
@@ -135,7 +135,8 @@ RINGSPLASH_INLINE void Dots(const DecodeHead* h, const T* k, int64_t ldk, int64_
     auto step = [&](int64_t c, int s, int64_t n) RINGSPLASH_INLINE_LAMBDA {
       __m256 kv[kTokens];
       RINGSPLASH_UNROLL
-      for (int t = 0; t < kTokens; ++t) kv[t] = n >= kLanes ? LoadFull8(row[t] + c) : Load8(row[t] + c, n);
+      for (int t = 0; t < kTokens; ++t)
+        kv[t] = n >= kLanes ? LoadFull8(row[t] + c) : Load8(row[t] + c, n);
       RINGSPLASH_UNROLL
       for (int i = 0; i < G; ++i) {
         const __m256 qv = n >= kLanes ? LoadFull8(h[i].q + c) : Load8(h[i].q + c, n);
@@ -202,8 +203,7 @@ RINGSPLASH_INLINE void AddRows(const DecodeHead* h, const float (&p)[kMaxShare][
     // that open a line (a pass may cover less than one: 8 or 16 columns).
     const bool prefetch = G >= 2 && c0 % (64 / static_cast<int64_t>(sizeof(T))) == 0;
     const int64_t ahead = kPrefetchKeys * ldv * static_cast<int64_t>(sizeof(T));
-    const int64_t bytes =
-        std::min<int64_t>(kLanes * NV, dv - c0) * static_cast<int64_t>(sizeof(T));
+    const int64_t bytes = std::min<int64_t>(kLanes * NV, dv - c0) * static_cast<int64_t>(sizeof(T));
     // kFull: all NV vectors of the pass lie inside [0, dv) (every pass but
     // a last partial one), loaded without the tail's tests.
     auto rows_pass = [&](auto full) RINGSPLASH_INLINE_LAMBDA {
