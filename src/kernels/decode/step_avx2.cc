@@ -204,8 +204,8 @@ RINGSPLASH_INLINE void AddRows(const DecodeHead* h, const float (&p)[kMaxShare][
     const bool prefetch = G >= 2 && c0 % (64 / static_cast<int64_t>(sizeof(T))) == 0;
     const int64_t ahead = kPrefetchKeys * ldv * static_cast<int64_t>(sizeof(T));
     const int64_t bytes = std::min<int64_t>(kLanes * NV, dv - c0) * static_cast<int64_t>(sizeof(T));
-    // kFull: all NV vectors of the pass lie inside [0, dv) (every pass but
-    // a last partial one), loaded without the tail's tests.
+    // `full` true: all NV vectors of the pass lie inside [0, dv) (every
+    // pass but a last partial one), loaded without the tail's tests.
     auto rows_pass = [&](auto full) RINGSPLASH_INLINE_LAMBDA {
       for (int j = 0; j < rows; ++j) {
         const T* row = v + j * ldv + c0;
