@@ -35,6 +35,7 @@ struct FreeDeleter {
 };
 using Buffer = std::unique_ptr<uint64_t, FreeDeleter>;
 
+using ringsplash::testing::kEmulated;
 using ringsplash::testing::kSanitized;
 
 // `words` 64-byte aligned words, each a distinct odd-looking value (a
@@ -131,9 +132,12 @@ TEST(BandwidthTest, ProbeAgreesWithAnIndependentTimingOfTheSameBuffer) {
   uint64_t sum = 0;
   bandwidth_detail::TimedRead(best, all, 1, 1, &sum);
   EXPECT_EQ(sum, expected);
-  // Rates compare only between equally compiled loops: under a sanitizer the
-  // plain loop's every load is instrumented, the probe's intrinsics barely.
-  if (kSanitized) return;
+  // Rates compare only between equally compiled loops on the hardware:
+  // under a sanitizer the plain loop's every load is instrumented, the
+  // probe's intrinsics barely; under qemu-user (aarch64 CI) the probe's
+  // portable loop ran 4.06x the plain one, a ratio of the emulator's
+  // translations.
+  if (kSanitized || kEmulated) return;
   EXPECT_GE(probe, 0.5 * plain) << method << ": " << probe << " GB/s, plain " << plain;
   EXPECT_LE(probe, 4 * plain) << method << ": " << probe << " GB/s, plain " << plain;
 }

@@ -1,6 +1,7 @@
 // Whether this test binary runs under AddressSanitizer or ThreadSanitizer:
 // they add shadow memory, quarantines and slowdowns, so tests that measure
-// resident memory or rates skip or shrink there.
+// resident memory or rates skip or shrink there. Likewise under an emulator
+// (kEmulated).
 #ifndef RINGSPLASH_TESTS_SUPPORT_SANITIZERS_H_
 #define RINGSPLASH_TESTS_SUPPORT_SANITIZERS_H_
 
@@ -16,6 +17,15 @@ inline constexpr bool kSanitized = false;
 #endif
 #else
 inline constexpr bool kSanitized = false;
+#endif
+
+// Whether this test binary runs under an emulator (qemu-user, the aarch64
+// cross build's tests): an emulator translates each kind of loop at its own
+// cost, so rates measured there compare nothing the hardware does.
+#if defined(RINGSPLASH_TESTS_EMULATED)
+inline constexpr bool kEmulated = true;
+#else
+inline constexpr bool kEmulated = false;
 #endif
 
 }  // namespace ringsplash::testing
