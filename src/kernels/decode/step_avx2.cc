@@ -37,22 +37,28 @@ RINGSPLASH_INLINE __m256i LaneMask(int64_t n) {
   return _mm256_cmpgt_epi32(_mm256_set1_epi32(lanes), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
 
+// The 8 elements from src as f32 (bf16 widened exactly).
+template <typename T>
+RINGSPLASH_INLINE __m256 LoadFull8(const T* src) {
+  if constexpr (std::is_same_v<T, float>) {
+    return _mm256_loadu_ps(src);
+  } else {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+}
+
 // Elements [0, n) of src as f32 (bf16 widened exactly), 0 from n on; no
-// element at or past n is read.
+// element at or past n is read. n >= 8: LoadFull8.
 template <typename T>
 RINGSPLASH_INLINE __m256 Load8(const T* src, int64_t n) {
+  if (n >= kLanes) return LoadFull8(src);
   if constexpr (std::is_same_v<T, float>) {
-    if (n >= kLanes) return _mm256_loadu_ps(src);
     return _mm256_maskload_ps(src, LaneMask(n));
   } else {
-    __m128i h;
-    if (n >= kLanes) {
-      h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
-    } else {
-      alignas(16) uint16_t tail[kLanes] = {};
-      if (n > 0) std::memcpy(tail, src, static_cast<size_t>(n) * sizeof(uint16_t));
-      h = _mm_load_si128(reinterpret_cast<const __m128i*>(tail));
-    }
+    alignas(16) uint16_t tail[kLanes] = {};
+    if (n > 0) std::memcpy(tail, src, static_cast<size_t>(n) * sizeof(uint16_t));
+    const __m128i h = _mm_load_si128(reinterpret_cast<const __m128i*>(tail));
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
   }
 }
@@ -91,17 +97,6 @@ RINGSPLASH_INLINE void PrefetchRow(const T* row, int64_t ahead, int64_t bytes) {
   }
 }
 
-// Elements [0, 8) of src as f32: Load8 without the tail case.
-template <typename T>
-RINGSPLASH_INLINE __m256 LoadFull8(const T* src) {
-  if constexpr (std::is_same_v<T, float>) {
-    return _mm256_loadu_ps(src);
-  } else {
-    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-  }
-}
-
 // Scores of G entries sharing K rows: lane j < rows of x[i] = q_i . k_j,
 // lanes >= rows 0. Tokens in groups of kTokens (each K vector loaded once
 // for the entries, each q vector once for the group); per-token partial
@@ -131,15 +126,15 @@ RINGSPLASH_INLINE void Dots(const DecodeHead* h, const T* k, int64_t ldk, int64_
         for (int t = 0; t < kTokens; ++t) acc[s][i][t] = _mm256_setzero_ps();
       }
     }
-    // Columns [c, c + 8) into set s; n < 8 (the tail) loads only n.
+    // Columns [c, c + 8) into set s; n < 8 (the tail) loads only n. Every
+    // call but the tail's passes n = kLanes, so Load8's test folds away.
     auto step = [&](int64_t c, int s, int64_t n) RINGSPLASH_INLINE_LAMBDA {
       __m256 kv[kTokens];
       RINGSPLASH_UNROLL
-      for (int t = 0; t < kTokens; ++t)
-        kv[t] = n >= kLanes ? LoadFull8(row[t] + c) : Load8(row[t] + c, n);
+      for (int t = 0; t < kTokens; ++t) kv[t] = Load8(row[t] + c, n);
       RINGSPLASH_UNROLL
       for (int i = 0; i < G; ++i) {
-        const __m256 qv = n >= kLanes ? LoadFull8(h[i].q + c) : Load8(h[i].q + c, n);
+        const __m256 qv = Load8(h[i].q + c, n);
         RINGSPLASH_UNROLL
         for (int t = 0; t < kTokens; ++t) acc[s][i][t] = _mm256_fmadd_ps(qv, kv[t], acc[s][i][t]);
       }
