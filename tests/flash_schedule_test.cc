@@ -555,7 +555,9 @@ TEST(FlashTest, HeadsTogetherMatchReferenceOnAnyThreadCount) {
 // stacked), several rows per head that see different keys of a partial
 // tile (the last query sits 5 keys before the end of the cache), per-head
 // masks (one head sees no key at all: out 0, lse -inf), packed documents,
-// bf16 rows read as word pairs (D and Dv multiples of 32, AVX-512), a
+// bf16 rows read as word pairs (D and Dv multiples of 32 on AVX-512; on
+// AVX2 multiples of 16 with no rows shared: half-line and one-group
+// column tails), a
 // soft cap over large logits, [B, H, S, D] views, one head; and calls with
 // more rows per kv head, which keep the tile loop. On every path and dtype
 // against the reference within kF32Tol — the decoding kernel never rounds
@@ -596,6 +598,15 @@ TEST(FlashTest, DecodingStepsMatchReferenceOnAnyThreadCount) {
       // per kv head; 8 entries (2 rows x 4 heads) sharing rows.
       {{1, 1, 260, 8, 2, 128, 96}, Mask::Causal() & Mask::Local(100, 0), true},
       {{1, 2, 200, 4, 1, 96, 32}, Mask::Causal(), true, 10.0f},
+      // Word pairs on AVX2 (MHA steps, D and Dv multiples of 16): D with
+      // half a line at its end and Dv past a whole pass (64 + 16 columns);
+      // a window, a soft cap and Dv of one 16-column group; and a per-head
+      // mask under which some heads skip tiles the others compute.
+      {{1, 1, 150, 2, 2, 48, 80}, Mask::Causal(), true},
+      {{1, 1, 150, 3, 3, 32, 16}, Mask::Causal() & Mask::Local(50, 0), true, 15.0f},
+      {{1, 1, 260, 3, 3, 16, 32},
+       Mask::PerHead({Mask::Causal(), Mask::Local(30, 0), Mask::Causal(-100)}),
+       true},
       // More rows per kv head than the kernel takes at once, or than a q block.
       {{1, 1, 150, 12, 1, 16, 16}, Mask::Causal(), false},
       {{1, 3, 150, 8, 2, 16, 16}, Mask::Causal(), false},

@@ -6,6 +6,8 @@
 // requested into L2 a line at a time. AVX2 has no masked 16-bit loads: bf16 column tails go through
 // a small zeroed buffer, f32 tails through vmaskmov (which never faults on the lanes it leaves
 // out). With 16 vector registers, fewer tokens and columns are held at once than on AVX-512.
+// bf16 steps whose entries share no rows (MHA) read K and V as word pairs,
+// as the AVX-512 step does (SplitPairs).
 #include <immintrin.h>
 
 #include <algorithm>
@@ -14,6 +16,7 @@
 #include <cstring>
 #include <limits>
 #include <type_traits>
+#include <vector>
 
 #include "src/kernels/decode/step_loop.h"
 #include "src/kernels/micro/blocking.h"
@@ -86,6 +89,45 @@ RINGSPLASH_INLINE float HorizontalSum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+// bf16 rows in pair order (DecodeStep with d and dv multiples of 16), as
+// on AVX-512 (decode/step_avx512.cc): the 16 columns of a row from c load
+// as one vector of 8 32-bit words whose low halves are the even columns c,
+// c + 2, ... and high halves the odd ones, widened by one shift and one
+// AND — one load and two single-uop operations per 16 columns, where two
+// 8-column loads take two loads, two lane-crossing zero extensions and two
+// shifts. q and acc are held in the same order for the call: per 16
+// columns, the 8 even ones, then the 8 odd ones.
+RINGSPLASH_INLINE void SplitPairs(__m256i words, __m256& even, __m256& odd) {
+  even = _mm256_castsi256_ps(_mm256_slli_epi32(words, 16));
+  odd = _mm256_castsi256_ps(
+      _mm256_and_si256(words, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+
+// y = x[0, n) in pair order (n a multiple of 16).
+void ToPairOrder(const float* x, int64_t n, float* y) {
+  for (int64_t c = 0; c < n; c += 16) {
+    const __m256 lo = _mm256_loadu_ps(x + c), hi = _mm256_loadu_ps(x + c + 8);
+    // Per 128-bit half: lo's even (odd) elements, then hi's; then the
+    // halves' 64-bit pieces in the order lo0 lo1 hi0 hi1.
+    const __m256 even = _mm256_shuffle_ps(lo, hi, 0x88), odd = _mm256_shuffle_ps(lo, hi, 0xDD);
+    _mm256_storeu_ps(y + c, _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(even), 0xD8)));
+    _mm256_storeu_ps(y + c + 8,
+                     _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(odd), 0xD8)));
+  }
+}
+
+// x[0, n) = y back from pair order.
+void FromPairOrder(const float* y, int64_t n, float* x) {
+  for (int64_t c = 0; c < n; c += 16) {
+    const __m256 even = _mm256_loadu_ps(y + c), odd = _mm256_loadu_ps(y + c + 8);
+    // Interleaving per 128-bit half gives columns 0-3 | 8-11 (lo) and 4-7 |
+    // 12-15 (hi); their halves recombined put them in order.
+    const __m256 lo = _mm256_unpacklo_ps(even, odd), hi = _mm256_unpackhi_ps(even, odd);
+    _mm256_storeu_ps(x + c, _mm256_permute2f128_ps(lo, hi, 0x20));
+    _mm256_storeu_ps(x + c + 8, _mm256_permute2f128_ps(lo, hi, 0x31));
+  }
+}
+
 // Requests `bytes` bytes from `ahead` bytes past row into L2 (the address
 // formed as an integer: it may lie past the tensor's end; prefetches never
 // fault).
@@ -104,10 +146,14 @@ RINGSPLASH_INLINE void PrefetchRow(const T* row, int64_t ahead, int64_t bytes) {
 // (their sums are never used), so the column loop has no per-token tests;
 // whole cache lines of columns run without the tail's masked loads. With
 // fewer than 8 accumulators (G * kTokens < 8), two sets take alternate
-// column steps: an FMA's latency is 4 cycles on 2 pipes.
-template <int G, typename T>
+// column steps: an FMA's latency is 4 cycles on 2 pipes. kPairs: bf16 rows
+// read as word pairs, q in pair order (d a multiple of 16): the same sums
+// in another order, the even columns into set 0 and the odd ones into the
+// last set.
+template <int G, typename T, bool kPairs = false>
 RINGSPLASH_INLINE void Dots(const DecodeHead* h, const T* k, int64_t ldk, int64_t d, int rows,
                             float* part, __m256 (&x)[G]) {
+  static_assert(!kPairs || (G == 1 && std::is_same_v<T, uint16_t>), "word pairs: bf16, one entry");
   constexpr int kTokens = G <= 2 ? 4 : (G <= 4 ? 2 : 1);  // G * kTokens + kTokens + 1 <= 16
   constexpr int kSets = G * kTokens < 8 ? 2 : 1;          // kSets * G * kTokens <= 12
   constexpr int64_t kPerLine = 64 / static_cast<int64_t>(sizeof(T));  // elements per line
@@ -139,22 +185,51 @@ RINGSPLASH_INLINE void Dots(const DecodeHead* h, const T* k, int64_t ldk, int64_
         for (int t = 0; t < kTokens; ++t) acc[s][i][t] = _mm256_fmadd_ps(qv, kv[t], acc[s][i][t]);
       }
     };
-    int64_t c = 0;
-    for (; c + kPerLine <= d; c += kPerLine) {
-      if constexpr (G >= 2) {  // the line these columns open, kPrefetchKeys rows ahead
-        RINGSPLASH_UNROLL
-        for (int t = 0; t < kTokens; ++t) PrefetchRow(row[t] + c, ahead, 64);
+    // Columns [c, c + 16) as word pairs (kPairs).
+    auto pair_step = [&](int64_t c) RINGSPLASH_INLINE_LAMBDA {
+      __m256 even[kTokens], odd[kTokens];
+      RINGSPLASH_UNROLL
+      for (int t = 0; t < kTokens; ++t) {
+        SplitPairs(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row[t] + c)), even[t],
+                   odd[t]);
       }
       RINGSPLASH_UNROLL
-      for (int u = 0; u < kStepsPerLine; ++u) step(c + u * kLanes, u % kSets, kLanes);
-    }
-    if (c < d) {  // a partial line: whole vectors, then the tail
-      if constexpr (G >= 2) {
+      for (int i = 0; i < G; ++i) {
+        const __m256 qe = _mm256_loadu_ps(h[i].q + c), qo = _mm256_loadu_ps(h[i].q + c + kLanes);
         RINGSPLASH_UNROLL
-        for (int t = 0; t < kTokens; ++t) PrefetchRow(row[t] + c, ahead, 64);
+        for (int t = 0; t < kTokens; ++t) {
+          acc[0][i][t] = _mm256_fmadd_ps(qe, even[t], acc[0][i][t]);
+          acc[kSets - 1][i][t] = _mm256_fmadd_ps(qo, odd[t], acc[kSets - 1][i][t]);
+        }
       }
-      for (; c + kLanes <= d; c += kLanes) step(c, 0, kLanes);
-      if (c < d) step(c, 0, d - c);
+    };
+    int64_t c = 0;
+    if constexpr (kPairs) {
+      for (; c < d; c += kPerLine) {  // d is a multiple of 16: half a line at the end
+        if constexpr (G >= 2) {
+          RINGSPLASH_UNROLL
+          for (int t = 0; t < kTokens; ++t) PrefetchRow(row[t] + c, ahead, 64);
+        }
+        pair_step(c);
+        if (c + 2 * kLanes < d) pair_step(c + 2 * kLanes);
+      }
+    } else {
+      for (; c + kPerLine <= d; c += kPerLine) {
+        if constexpr (G >= 2) {  // the line these columns open, kPrefetchKeys rows ahead
+          RINGSPLASH_UNROLL
+          for (int t = 0; t < kTokens; ++t) PrefetchRow(row[t] + c, ahead, 64);
+        }
+        RINGSPLASH_UNROLL
+        for (int u = 0; u < kStepsPerLine; ++u) step(c + u * kLanes, u % kSets, kLanes);
+      }
+      if (c < d) {  // a partial line: whole vectors, then the tail
+        if constexpr (G >= 2) {
+          RINGSPLASH_UNROLL
+          for (int t = 0; t < kTokens; ++t) PrefetchRow(row[t] + c, ahead, 64);
+        }
+        for (; c + kLanes <= d; c += kLanes) step(c, 0, kLanes);
+        if (c < d) step(c, 0, d - c);
+      }
     }
     RINGSPLASH_UNROLL
     for (int i = 0; i < G; ++i) {
@@ -238,15 +313,50 @@ RINGSPLASH_INLINE void AddRows(const DecodeHead* h, const float (&p)[kMaxShare][
   }
 }
 
+// AddRows on bf16 V rows with acc in pair order, for one entry (kPairs is
+// taken only where no entries share rows: DecodeStep): the NW 16-column
+// groups from c0, 2 NW vectors of acc in registers.
+template <int NW>
+RINGSPLASH_INLINE void AddRowsPairsAt(const DecodeHead& h, const float (&p)[kLanes], float alpha,
+                                      const uint16_t* v, int64_t ldv, int rows, int64_t c0) {
+  __m256 a[2 * NW];
+  const __m256 va = _mm256_set1_ps(alpha);
+  RINGSPLASH_UNROLL
+  for (int u = 0; u < 2 * NW; ++u)
+    a[u] = _mm256_mul_ps(_mm256_loadu_ps(h.acc + c0 + kLanes * u), va);
+  for (int j = 0; j < rows; ++j) {
+    const uint16_t* row = v + j * ldv + c0;
+    const __m256 pj = _mm256_set1_ps(p[j]);
+    RINGSPLASH_UNROLL
+    for (int w = 0; w < NW; ++w) {
+      __m256 even, odd;
+      SplitPairs(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 16 * w)), even, odd);
+      a[2 * w] = _mm256_fmadd_ps(pj, even, a[2 * w]);
+      a[2 * w + 1] = _mm256_fmadd_ps(pj, odd, a[2 * w + 1]);
+    }
+  }
+  RINGSPLASH_UNROLL
+  for (int u = 0; u < 2 * NW; ++u) _mm256_storeu_ps(h.acc + c0 + kLanes * u, a[u]);
+}
+
+RINGSPLASH_INLINE void AddRowsPairs(const DecodeHead& h, const float (&p)[kLanes], float alpha,
+                                    const uint16_t* v, int64_t ldv, int64_t dv, int rows) {
+  constexpr int NW = 4;  // as AddRows with one entry: 8 vectors of acc
+  int64_t c0 = 0;
+  for (; c0 + 16 * NW <= dv; c0 += 16 * NW) AddRowsPairsAt<NW>(h, p, alpha, v, ldv, rows, c0);
+  for (; c0 < dv; c0 += 16) AddRowsPairsAt<1>(h, p, alpha, v, ldv, rows, c0);
+}
+
 // One chunk (keys [j0, j0 + rows), rows <= 8) of G entries sharing their K
 // and V rows; returns whether a product q . k was not finite.
-template <int G, typename T, bool kCapped>
+// kPairs: bf16 rows, q and acc in pair order (Dots, AddRowsPairs).
+template <int G, typename T, bool kCapped, bool kPairs>
 bool Chunk(const DecodeArgs& a, const DecodeHead* h, int64_t j0, int rows) {
   const T* k = static_cast<const T*>(h[0].k) + j0 * a.ldk;
   const T* v = static_cast<const T*>(h[0].v) + j0 * a.ldv;
   alignas(32) float part[G * kLanes * kLanes];
   __m256 x[G];
-  Dots<G>(h, k, a.ldk, a.d, rows, part, x);
+  Dots<G, T, kPairs>(h, k, a.ldk, a.d, rows, part, x);
   alignas(32) float p[kMaxShare][kLanes];
   float alpha[kMaxShare];
   const __m256i live = LaneMask(rows);
@@ -283,22 +393,72 @@ bool Chunk(const DecodeArgs& a, const DecodeHead* h, int64_t j0, int rows) {
     *h[i].row_max = m_new;
     _mm256_store_ps(p[i], pi);
   }
-  AddRows<G>(h, p, alpha, v, a.ldv, a.dv, rows);
+  if constexpr (kPairs) {
+    static_assert(G == 1, "word pairs: one entry per run");
+    AddRowsPairs(h[0], p[0], alpha[0], v, a.ldv, a.dv, rows);
+  } else {
+    AddRows<G>(h, p, alpha, v, a.ldv, a.dv, rows);
+  }
   return bad;
 }
 
-template <typename T, bool kCapped>
+template <typename T, bool kCapped, bool kPairs = false>
 bool Step(const DecodeArgs& a) {
-  return ForEachChunk<kLanes>(
-      a, [&a](auto g, const DecodeHead* h, int64_t j0, int rows) RINGSPLASH_INLINE_LAMBDA {
-        return Chunk<decltype(g)::value, T, kCapped>(a, h, j0, rows);
-      });
+  return ForEachChunk < kLanes,
+         kPairs ? 1
+                : kMaxShare > (a, [&a](auto g, const DecodeHead* h, int64_t j0,
+                                       int rows) RINGSPLASH_INLINE_LAMBDA {
+                    return Chunk<decltype(g)::value, T, kCapped, kPairs>(a, h, j0, rows);
+                  });
+}
+
+// Step on bf16 rows in pair order, for calls whose entries share no rows
+// (SharesRows): every entry's q and acc reordered into per-thread copies
+// for the call (a few hundred floats per entry against its pass over the
+// call's K and V rows), and acc back after it. Entries must not share an
+// acc (DecodeHead: one row of one head each).
+template <bool kCapped>
+bool StepPairs(const DecodeArgs& a) {
+  thread_local std::vector<DecodeHead> heads;
+  thread_local std::vector<float> q, acc;
+  const auto n = static_cast<size_t>(a.heads);
+  heads.assign(a.head, a.head + a.heads);
+  q.resize(n * static_cast<size_t>(a.d));
+  acc.resize(n * static_cast<size_t>(a.dv));
+  for (size_t i = 0; i < n; ++i) {
+    float* qi = q.data() + i * static_cast<size_t>(a.d);
+    ToPairOrder(a.head[i].q, a.d, qi);
+    heads[i].q = qi;
+    heads[i].acc = acc.data() + i * static_cast<size_t>(a.dv);
+    ToPairOrder(a.head[i].acc, a.dv, heads[i].acc);
+  }
+  DecodeArgs pairs = a;
+  pairs.head = heads.data();
+  const bool bad = Step<uint16_t, kCapped, true>(pairs);
+  for (size_t i = 0; i < n; ++i) FromPairOrder(heads[i].acc, a.dv, a.head[i].acc);
+  return bad;
+}
+
+// Whether adjacent entries of the call read the same K and V rows (GQA,
+// or several query rows of a head).
+bool SharesRows(const DecodeArgs& a) {
+  for (int64_t i = 1; i < a.heads; ++i) {
+    if (a.head[i].k == a.head[i - 1].k && a.head[i].v == a.head[i - 1].v) return true;
+  }
+  return false;
 }
 
 }  // namespace
 
+// bf16 rows go as word pairs only where no entries share rows (MHA steps,
+// K/V-bound: +18 % in place on Zen 3); with 4 or 8 entries per row the
+// arithmetic per loaded vector bounds the step and the pairs measured no
+// faster (docs/PERFORMANCE.md, "Design measurements").
 bool DecodeStep(const DecodeArgs& a) {
   const bool capped = a.softcap > 0.0f;
+  if (a.bf16 && a.d % 16 == 0 && a.dv % 16 == 0 && !SharesRows(a)) {
+    return capped ? StepPairs<true>(a) : StepPairs<false>(a);
+  }
   if (a.bf16) return capped ? Step<uint16_t, true>(a) : Step<uint16_t, false>(a);
   return capped ? Step<float, true>(a) : Step<float, false>(a);
 }

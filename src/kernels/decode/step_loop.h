@@ -21,11 +21,14 @@ namespace ringsplash::kernels::micro {
 // For every chunk of keys [j0, j0 + rows) (rows <= kKeys) and every run of
 // G entries from a.head + i that share their rows, ORs into the result
 // chunk(std::integral_constant<int, G>, a.head + i, j0, rows): whether a
-// logit of the run was not finite.
-template <int kKeys, typename ChunkFn>
+// logit of the run was not finite. Runs hold at most kMaxRun entries (only
+// G <= kMaxRun is instantiated): kMaxRun = 1 for a chunk function that
+// takes one entry at a time.
+template <int kKeys, int kMaxRun = static_cast<int>(kMaxDecodeShare), typename ChunkFn>
 RINGSPLASH_INLINE bool ForEachChunk(const DecodeArgs& a, const ChunkFn& chunk) {
-  constexpr int kMaxShare = static_cast<int>(kMaxDecodeShare);  // entries done together
-  static_assert(kMaxShare == 8, "ForEachChunk dispatches runs of 1 to 8 entries");
+  constexpr int kMaxShare = kMaxRun;  // entries done together
+  static_assert(kMaxDecodeShare == 8 && kMaxShare >= 1 && kMaxShare <= 8,
+                "ForEachChunk dispatches runs of 1 to 8 entries");
   bool bad = false;
   for (int64_t j0 = 0; j0 < a.keys; j0 += kKeys) {
     const int rows = static_cast<int>(std::min<int64_t>(kKeys, a.keys - j0));
@@ -42,25 +45,25 @@ RINGSPLASH_INLINE bool ForEachChunk(const DecodeArgs& a, const ChunkFn& chunk) {
           bad |= chunk(std::integral_constant<int, 1>{}, h, j0, rows);
           break;
         case 2:
-          bad |= chunk(std::integral_constant<int, 2>{}, h, j0, rows);
+          if constexpr (kMaxShare >= 2) bad |= chunk(std::integral_constant<int, 2>{}, h, j0, rows);
           break;
         case 3:
-          bad |= chunk(std::integral_constant<int, 3>{}, h, j0, rows);
+          if constexpr (kMaxShare >= 3) bad |= chunk(std::integral_constant<int, 3>{}, h, j0, rows);
           break;
         case 4:
-          bad |= chunk(std::integral_constant<int, 4>{}, h, j0, rows);
+          if constexpr (kMaxShare >= 4) bad |= chunk(std::integral_constant<int, 4>{}, h, j0, rows);
           break;
         case 5:
-          bad |= chunk(std::integral_constant<int, 5>{}, h, j0, rows);
+          if constexpr (kMaxShare >= 5) bad |= chunk(std::integral_constant<int, 5>{}, h, j0, rows);
           break;
         case 6:
-          bad |= chunk(std::integral_constant<int, 6>{}, h, j0, rows);
+          if constexpr (kMaxShare >= 6) bad |= chunk(std::integral_constant<int, 6>{}, h, j0, rows);
           break;
         case 7:
-          bad |= chunk(std::integral_constant<int, 7>{}, h, j0, rows);
+          if constexpr (kMaxShare >= 7) bad |= chunk(std::integral_constant<int, 7>{}, h, j0, rows);
           break;
         case 8:
-          bad |= chunk(std::integral_constant<int, 8>{}, h, j0, rows);
+          if constexpr (kMaxShare >= 8) bad |= chunk(std::integral_constant<int, 8>{}, h, j0, rows);
           break;
       }
       i += g;
