@@ -2,12 +2,12 @@
 // design (decode/step_avx512.cc) on 8-lane vectors — chunks of 8 keys,
 // their 8 dot products reduced by horizontal adds, an exact online-softmax
 // step per chunk, P V into register accumulators, entries sharing K/V rows
-// taking each loaded vector together, and their rows four chunks ahead
-// requested into L2 a line at a time. AVX2 has no masked 16-bit loads: bf16 column tails go through
-// a small zeroed buffer, f32 tails through vmaskmov (which never faults on the lanes it leaves
-// out). With 16 vector registers, fewer tokens and columns are held at once than on AVX-512.
-// bf16 steps whose entries share no rows (MHA) read K and V as word pairs,
-// as the AVX-512 step does (SplitPairs).
+// taking each loaded vector together, and (kRequestAhead) their rows four
+// chunks ahead requested into L2 a line at a time. AVX2 has no masked 16-bit loads: bf16 column
+// tails go through a small zeroed buffer, f32 tails through vmaskmov (which never faults on the
+// lanes it leaves out). With 16 vector registers, fewer tokens and columns are held at once than on
+// AVX-512. bf16 steps whose entries share no rows (MHA) read K and V as word pairs, as the AVX-512
+// step does (SplitPairs).
 #include <immintrin.h>
 
 #include <algorithm>
@@ -128,6 +128,17 @@ void FromPairOrder(const float* y, int64_t n, float* x) {
   }
 }
 
+// Whether runs of G entries request their K/V rows ahead (PrefetchRow):
+// only at 4 or more FLOPs per byte of K and V (2 G FLOPs per element: 4
+// entries on bf16, 8 on f32). Below that the rows stream fast enough for
+// the hardware prefetchers and the requests cost more than they save. On
+// Zen 3 (2 threads, alternated): without them f32 with 2 and 4 entries ran
+// 1.36x and 1.19x faster and bf16 with 2 1.20x; f32 with 8 entries and
+// bf16 with 4 ran 0.84x and 0.86-0.90x (docs/PERFORMANCE.md, "Design
+// measurements").
+template <int G, typename T>
+constexpr bool kRequestAhead = static_cast<int>(sizeof(float) / sizeof(T)) * G >= 8;
+
 // Requests `bytes` bytes from `ahead` bytes past row into L2 (the address
 // formed as an integer: it may lie past the tensor's end; prefetches never
 // fault).
@@ -206,7 +217,7 @@ RINGSPLASH_INLINE void Dots(const DecodeHead* h, const T* k, int64_t ldk, int64_
     int64_t c = 0;
     if constexpr (kPairs) {
       for (; c < d; c += kPerLine) {  // d is a multiple of 16: half a line at the end
-        if constexpr (G >= 2) {
+        if constexpr (kRequestAhead<G, T>) {
           RINGSPLASH_UNROLL
           for (int t = 0; t < kTokens; ++t) PrefetchRow(row[t] + c, ahead, 64);
         }
@@ -215,7 +226,8 @@ RINGSPLASH_INLINE void Dots(const DecodeHead* h, const T* k, int64_t ldk, int64_
       }
     } else {
       for (; c + kPerLine <= d; c += kPerLine) {
-        if constexpr (G >= 2) {  // the line these columns open, kPrefetchKeys rows ahead
+        // The line these columns open, kPrefetchKeys rows ahead.
+        if constexpr (kRequestAhead<G, T>) {
           RINGSPLASH_UNROLL
           for (int t = 0; t < kTokens; ++t) PrefetchRow(row[t] + c, ahead, 64);
         }
@@ -223,7 +235,7 @@ RINGSPLASH_INLINE void Dots(const DecodeHead* h, const T* k, int64_t ldk, int64_
         for (int u = 0; u < kStepsPerLine; ++u) step(c + u * kLanes, u % kSets, kLanes);
       }
       if (c < d) {  // a partial line: whole vectors, then the tail
-        if constexpr (G >= 2) {
+        if constexpr (kRequestAhead<G, T>) {
           RINGSPLASH_UNROLL
           for (int t = 0; t < kTokens; ++t) PrefetchRow(row[t] + c, ahead, 64);
         }
@@ -271,7 +283,7 @@ RINGSPLASH_INLINE void AddRows(const DecodeHead* h, const float (&p)[kMaxShare][
     }
     // This pass's columns of each row kPrefetchKeys ahead, from the passes
     // that open a line (a pass may cover less than one: 8 or 16 columns).
-    const bool prefetch = G >= 2 && c0 % (64 / static_cast<int64_t>(sizeof(T))) == 0;
+    const bool prefetch = kRequestAhead<G, T> && c0 % (64 / static_cast<int64_t>(sizeof(T))) == 0;
     const int64_t ahead = kPrefetchKeys * ldv * static_cast<int64_t>(sizeof(T));
     const int64_t bytes = std::min<int64_t>(kLanes * NV, dv - c0) * static_cast<int64_t>(sizeof(T));
     // `full` true: all NV vectors of the pass lie inside [0, dv) (every
