@@ -21,6 +21,7 @@
 #include "src/kernels/flash/flash.h"
 #include "src/kernels/flash/merge.h"
 #include "src/kernels/flash/schedule.h"
+#include "src/kernels/micro/cpu_features.h"
 #include "src/kernels/micro/micro.h"
 #include "src/kernels/thread_pool.h"
 #include "src/kernels/tiling/tiles.h"
@@ -640,6 +641,15 @@ TEST(FlashTest, DecodingStepsMatchReferenceOnAnyThreadCount) {
         EXPECT_FALSE(kernels::UseDecodeStep(p) && kernels::StackedHeads::Applies(p)) << what;
         const testing::RefForward ref = testing::ReferenceForward(prob.Ref(s));
         const Result r = ExpectSameOnAnyThreadCount(prob, s, what);
+        {
+          // The other choice of K/V requests (CpuFeatures::hw_prefetch_streams,
+          // read by the AVX2 step) changes no arithmetic: bitwise the same.
+          kernels::CpuFeatures flipped = kernels::DetectCpuFeatures();
+          flipped.hw_prefetch_streams = !flipped.hw_prefetch_streams;
+          const kernels::ScopedCpuFeaturesForTesting as(flipped);
+          s.threads = 2;
+          EXPECT_TRUE(BitwiseEqual(r, prob.Run(s, false))) << what << ", requests flipped";
+        }
         // Rows stacked or run by the tile loop with P rounded to bf16 (the
         // avx512_bf16 and amx paths): CheckAgainstReference's bound; decoding mode: kF32Tol.
         double tol = kF32Tol;

@@ -20,6 +20,7 @@
 
 #include "src/kernels/decode/step_loop.h"
 #include "src/kernels/micro/blocking.h"
+#include "src/kernels/micro/cpu_features.h"
 #include "src/kernels/micro/math_avx2.h"
 #include "src/kernels/micro/micro.h"
 
@@ -129,15 +130,18 @@ void FromPairOrder(const float* y, int64_t n, float* x) {
 }
 
 // Whether runs of G entries request their K/V rows ahead (PrefetchRow):
-// only at 4 or more FLOPs per byte of K and V (2 G FLOPs per element: 4
-// entries on bf16, 8 on f32). Below that the rows stream fast enough for
-// the hardware prefetchers and the requests cost more than they save. On
-// Zen 3 (2 threads, alternated): without them f32 with 2 and 4 entries ran
-// 1.36x and 1.19x faster and bf16 with 2 1.20x; f32 with 8 entries and
-// bf16 with 4 ran 0.84x and 0.86-0.90x (docs/PERFORMANCE.md, "Design
-// measurements").
-template <int G, typename T>
-constexpr bool kRequestAhead = static_cast<int>(sizeof(float) / sizeof(T)) * G >= 8;
+// every run of 2 or more (a single row streams on its own), but where the
+// hardware prefetchers keep up with K/V streams (kHwStreams:
+// CpuFeatures::hw_prefetch_streams, AMD) only at 4 or more FLOPs per byte
+// of K and V (2 G FLOPs per element: 4 entries on bf16, 8 on f32). Below
+// that the rows stream fast enough for the hardware and the requests cost
+// more than they save. On Zen 3 (2 threads, alternated), without them: f32
+// with 2 and 4 entries 1.36x and 1.19x faster, bf16 with 2 1.20x; f32 with
+// 8 entries and bf16 with 4 0.84x and 0.86-0.90x (docs/PERFORMANCE.md,
+// "Design measurements": decoding prefetch).
+template <int G, typename T, bool kHwStreams>
+constexpr bool kRequestAhead = G >= 2 && (!kHwStreams ||
+                                          static_cast<int>(sizeof(float) / sizeof(T)) * G >= 8);
 
 // Requests `bytes` bytes from `ahead` bytes past row into L2 (the address
 // formed as an integer: it may lie past the tensor's end; prefetches never
@@ -161,7 +165,7 @@ RINGSPLASH_INLINE void PrefetchRow(const T* row, int64_t ahead, int64_t bytes) {
 // read as word pairs, q in pair order (d a multiple of 16): the same sums
 // in another order, the even columns into set 0 and the odd ones into the
 // last set.
-template <int G, typename T, bool kPairs = false>
+template <int G, typename T, bool kPairs, bool kRequest>
 RINGSPLASH_INLINE void Dots(const DecodeHead* h, const T* k, int64_t ldk, int64_t d, int rows,
                             float* part, __m256 (&x)[G]) {
   static_assert(!kPairs || (G == 1 && std::is_same_v<T, uint16_t>), "word pairs: bf16, one entry");
@@ -217,7 +221,7 @@ RINGSPLASH_INLINE void Dots(const DecodeHead* h, const T* k, int64_t ldk, int64_
     int64_t c = 0;
     if constexpr (kPairs) {
       for (; c < d; c += kPerLine) {  // d is a multiple of 16: half a line at the end
-        if constexpr (kRequestAhead<G, T>) {
+        if constexpr (kRequest) {
           RINGSPLASH_UNROLL
           for (int t = 0; t < kTokens; ++t) PrefetchRow(row[t] + c, ahead, 64);
         }
@@ -227,7 +231,7 @@ RINGSPLASH_INLINE void Dots(const DecodeHead* h, const T* k, int64_t ldk, int64_
     } else {
       for (; c + kPerLine <= d; c += kPerLine) {
         // The line these columns open, kPrefetchKeys rows ahead.
-        if constexpr (kRequestAhead<G, T>) {
+        if constexpr (kRequest) {
           RINGSPLASH_UNROLL
           for (int t = 0; t < kTokens; ++t) PrefetchRow(row[t] + c, ahead, 64);
         }
@@ -235,7 +239,7 @@ RINGSPLASH_INLINE void Dots(const DecodeHead* h, const T* k, int64_t ldk, int64_
         for (int u = 0; u < kStepsPerLine; ++u) step(c + u * kLanes, u % kSets, kLanes);
       }
       if (c < d) {  // a partial line: whole vectors, then the tail
-        if constexpr (kRequestAhead<G, T>) {
+        if constexpr (kRequest) {
           RINGSPLASH_UNROLL
           for (int t = 0; t < kTokens; ++t) PrefetchRow(row[t] + c, ahead, 64);
         }
@@ -266,7 +270,7 @@ RINGSPLASH_INLINE void Dots(const DecodeHead* h, const T* k, int64_t ldk, int64_
 
 // acc_i[0, dv) = alpha_i acc_i + sum_{j < rows} p[i][j] v_j for the G
 // entries sharing V rows, NV vectors of columns at a time in registers.
-template <int G, typename T>
+template <int G, bool kRequest, typename T>
 RINGSPLASH_INLINE void AddRows(const DecodeHead* h, const float (&p)[kMaxShare][kLanes],
                                const float (&alpha)[kMaxShare], const T* v, int64_t ldv, int64_t dv,
                                int rows) {
@@ -283,7 +287,7 @@ RINGSPLASH_INLINE void AddRows(const DecodeHead* h, const float (&p)[kMaxShare][
     }
     // This pass's columns of each row kPrefetchKeys ahead, from the passes
     // that open a line (a pass may cover less than one: 8 or 16 columns).
-    const bool prefetch = kRequestAhead<G, T> && c0 % (64 / static_cast<int64_t>(sizeof(T))) == 0;
+    const bool prefetch = kRequest && c0 % (64 / static_cast<int64_t>(sizeof(T))) == 0;
     const int64_t ahead = kPrefetchKeys * ldv * static_cast<int64_t>(sizeof(T));
     const int64_t bytes = std::min<int64_t>(kLanes * NV, dv - c0) * static_cast<int64_t>(sizeof(T));
     // `full` true: all NV vectors of the pass lie inside [0, dv) (every
@@ -362,13 +366,14 @@ RINGSPLASH_INLINE void AddRowsPairs(const DecodeHead& h, const float (&p)[kLanes
 // One chunk (keys [j0, j0 + rows), rows <= 8) of G entries sharing their K
 // and V rows; returns whether a product q . k was not finite.
 // kPairs: bf16 rows, q and acc in pair order (Dots, AddRowsPairs).
-template <int G, typename T, bool kCapped, bool kPairs>
+template <int G, typename T, bool kCapped, bool kPairs, bool kHwStreams>
 bool Chunk(const DecodeArgs& a, const DecodeHead* h, int64_t j0, int rows) {
+  constexpr bool kRequest = kRequestAhead<G, T, kHwStreams>;
   const T* k = static_cast<const T*>(h[0].k) + j0 * a.ldk;
   const T* v = static_cast<const T*>(h[0].v) + j0 * a.ldv;
   alignas(32) float part[G * kLanes * kLanes];
   __m256 x[G];
-  Dots<G, T, kPairs>(h, k, a.ldk, a.d, rows, part, x);
+  Dots<G, T, kPairs, kRequest>(h, k, a.ldk, a.d, rows, part, x);
   alignas(32) float p[kMaxShare][kLanes];
   float alpha[kMaxShare];
   const __m256i live = LaneMask(rows);
@@ -409,19 +414,18 @@ bool Chunk(const DecodeArgs& a, const DecodeHead* h, int64_t j0, int rows) {
     static_assert(G == 1, "word pairs: one entry per run");
     AddRowsPairs(h[0], p[0], alpha[0], v, a.ldv, a.dv, rows);
   } else {
-    AddRows<G>(h, p, alpha, v, a.ldv, a.dv, rows);
+    AddRows<G, kRequest>(h, p, alpha, v, a.ldv, a.dv, rows);
   }
   return bad;
 }
 
-template <typename T, bool kCapped, bool kPairs = false>
+template <typename T, bool kCapped, bool kPairs, bool kHwStreams>
 bool Step(const DecodeArgs& a) {
-  return ForEachChunk < kLanes,
-         kPairs ? 1
-                : kMaxShare > (a, [&a](auto g, const DecodeHead* h, int64_t j0,
-                                       int rows) RINGSPLASH_INLINE_LAMBDA {
-                    return Chunk<decltype(g)::value, T, kCapped, kPairs>(a, h, j0, rows);
-                  });
+  constexpr int kMaxRun = kPairs ? 1 : kMaxShare;
+  return ForEachChunk<kLanes, kMaxRun>(
+      a, [&a](auto g, const DecodeHead* h, int64_t j0, int rows) RINGSPLASH_INLINE_LAMBDA {
+        return Chunk<decltype(g)::value, T, kCapped, kPairs, kHwStreams>(a, h, j0, rows);
+      });
 }
 
 // Step on bf16 rows in pair order, for calls whose entries share no rows
@@ -446,7 +450,8 @@ bool StepPairs(const DecodeArgs& a) {
   }
   DecodeArgs pairs = a;
   pairs.head = heads.data();
-  const bool bad = Step<uint16_t, kCapped, true>(pairs);
+  // One entry per run: no requests either way (kRequestAhead).
+  const bool bad = Step<uint16_t, kCapped, true, false>(pairs);
   for (size_t i = 0; i < n; ++i) FromPairOrder(heads[i].acc, a.dv, a.head[i].acc);
   return bad;
 }
@@ -460,19 +465,25 @@ bool SharesRows(const DecodeArgs& a) {
   return false;
 }
 
+template <typename T>
+bool StepOf(const DecodeArgs& a, bool capped, bool hw_streams) {
+  if (capped) return hw_streams ? Step<T, true, false, true>(a) : Step<T, true, false, false>(a);
+  return hw_streams ? Step<T, false, false, true>(a) : Step<T, false, false, false>(a);
+}
+
 }  // namespace
 
-// bf16 rows go as word pairs only where no entries share rows (MHA steps,
-// K/V-bound: +18 % in place on Zen 3); with 4 or 8 entries per row the
-// arithmetic per loaded vector bounds the step and the pairs measured no
-// faster (docs/PERFORMANCE.md, "Design measurements").
+// bf16 rows go as word pairs only where no entries share rows (MHA steps:
+// 1.07-1.11x in place on one Zen 3 thread); with 4 or 8 entries per row
+// the pairs measured no faster (docs/PERFORMANCE.md, "Design
+// measurements").
 bool DecodeStep(const DecodeArgs& a) {
   const bool capped = a.softcap > 0.0f;
   if (a.bf16 && a.d % 16 == 0 && a.dv % 16 == 0 && !SharesRows(a)) {
     return capped ? StepPairs<true>(a) : StepPairs<false>(a);
   }
-  if (a.bf16) return capped ? Step<uint16_t, true>(a) : Step<uint16_t, false>(a);
-  return capped ? Step<float, true>(a) : Step<float, false>(a);
+  const bool hw_streams = DetectCpuFeatures().hw_prefetch_streams;
+  return a.bf16 ? StepOf<uint16_t>(a, capped, hw_streams) : StepOf<float>(a, capped, hw_streams);
 }
 
 }  // namespace ringsplash::kernels::micro::avx2

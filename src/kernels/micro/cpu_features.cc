@@ -49,6 +49,7 @@ CpuFeatures Detect() {
   if (!__get_cpuid(0, &eax, &ebx, &ecx, &edx)) return f;
   // Vendor string "AuthenticAMD" is ebx, edx, ecx.
   const bool amd = ebx == 0x68747541u && edx == 0x69746e65u && ecx == 0x444d4163u;
+  f.hw_prefetch_streams = amd;
   if (!__get_cpuid(1, &eax, &ebx, &ecx, &edx)) return f;
   const bool fma = (ecx >> 12) & 1;
   const bool osxsave = (ecx >> 27) & 1;

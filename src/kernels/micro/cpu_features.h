@@ -26,6 +26,14 @@ struct CpuFeatures {
   // first tile instruction (else SIGILL); that is asked only when tiles are
   // first needed: AmxTilesPermitted().
   bool amx = false;
+  // Whether the hardware prefetchers keep up with the K/V row streams of
+  // decoding steps that carry under 4 FLOPs per byte, so the AVX2 step
+  // makes no software requests for them (decode/step_avx2.cc,
+  // kRequestAhead): set on AMD CPUs. On a Zen 3 the requests made such steps
+  // 1.2-1.4x slower; on the Intel Xeon host, requests made GQA steps
+  // 1.3-1.6x faster (AVX-512 step; docs/PERFORMANCE.md, "Design
+  // measurements": decoding prefetch). A speed property, as fast_bf16_dot.
+  bool hw_prefetch_streams = false;
 };
 
 // Detected once (cpuid + xgetbv), then cached; while a
@@ -36,8 +44,8 @@ const CpuFeatures& DetectCpuFeatures();
 // paths, ResolveKernelPath and kAuto) reports `features`, each instruction-
 // set bit ANDed with what this CPU has and with the narrower sets it needs
 // (an override can hide a set, never add one, so no path the CPU cannot
-// run becomes callable), fast_bf16_dot as
-// given (a speed property, no instructions behind it). Lets the refusal of
+// run becomes callable), fast_bf16_dot and hw_prefetch_streams as
+// given (speed properties, no instructions behind them). Lets the refusal of
 // unsupported paths and the order kAuto resolves in be tested on any CPU.
 // Not thread-safe: for test bodies that make no concurrent calls.
 class ScopedCpuFeaturesForTesting {
