@@ -16,7 +16,6 @@
 #include <cstring>
 #include <limits>
 #include <type_traits>
-#include <vector>
 
 #include "src/kernels/decode/step_loop.h"
 #include "src/kernels/micro/blocking.h"
@@ -428,32 +427,14 @@ bool Step(const DecodeArgs& a) {
       });
 }
 
-// Step on bf16 rows in pair order, for calls whose entries share no rows
-// (SharesRows): every entry's q and acc reordered into per-thread copies
-// for the call (a few hundred floats per entry against its pass over the
-// call's K and V rows), and acc back after it. Entries must not share an
-// acc (DecodeHead: one row of one head each).
+// Step on bf16 rows in pair order (InPairOrder), for calls whose entries
+// share no rows (SharesRows).
 template <bool kCapped>
 bool StepPairs(const DecodeArgs& a) {
-  thread_local std::vector<DecodeHead> heads;
-  thread_local std::vector<float> q, acc;
-  const auto n = static_cast<size_t>(a.heads);
-  heads.assign(a.head, a.head + a.heads);
-  q.resize(n * static_cast<size_t>(a.d));
-  acc.resize(n * static_cast<size_t>(a.dv));
-  for (size_t i = 0; i < n; ++i) {
-    float* qi = q.data() + i * static_cast<size_t>(a.d);
-    ToPairOrder(a.head[i].q, a.d, qi);
-    heads[i].q = qi;
-    heads[i].acc = acc.data() + i * static_cast<size_t>(a.dv);
-    ToPairOrder(a.head[i].acc, a.dv, heads[i].acc);
-  }
-  DecodeArgs pairs = a;
-  pairs.head = heads.data();
   // One entry per run: no requests either way (kRequestAhead).
-  const bool bad = Step<uint16_t, kCapped, true, false>(pairs);
-  for (size_t i = 0; i < n; ++i) FromPairOrder(heads[i].acc, a.dv, a.head[i].acc);
-  return bad;
+  return InPairOrder(a, ToPairOrder, FromPairOrder, [](const DecodeArgs& pairs) {
+    return Step<uint16_t, kCapped, true, false>(pairs);
+  });
 }
 
 // Whether adjacent entries of the call read the same K and V rows (GQA,

@@ -2,7 +2,8 @@
 // step_avx512.cc): keys in chunks of kKeys (a vector of lanes), and within a
 // chunk the entries in runs that read the same K and V rows (one kv head),
 // up to kMaxDecodeShare at a time, each run handed to the step's Chunk as a
-// compile-time G (so its loads of a row serve all G entries from registers).
+// compile-time G (so its loads of a row serve all G entries from registers);
+// and the reordering around their word-pair mode for bf16 rows (InPairOrder).
 // No intrinsics: includable from either step's translation unit. The chunk
 // is a lambda of the including file's unnamed namespace, so every
 // instantiation is private to that file and its instruction set.
@@ -12,6 +13,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <type_traits>
+#include <vector>
 
 #include "src/kernels/micro/blocking.h"
 #include "src/kernels/micro/micro.h"
@@ -69,6 +71,35 @@ RINGSPLASH_INLINE bool ForEachChunk(const DecodeArgs& a, const ChunkFn& chunk) {
       i += g;
     }
   }
+  return bad;
+}
+
+// The word-pair mode both steps have for bf16 rows: step(pairs) on a copy
+// of `a` whose entries' q [d] and acc [dv] are per-thread copies reordered
+// by to_pairs(x, n, y), and acc reordered back by from_pairs(y, n, x) after
+// it (a few hundred floats per entry against its pass over the call's K
+// and V rows). Entries must not share an acc (DecodeHead: one row of one
+// head each). `step` is the including file's lambda, so each instantiation
+// and its per-thread copies are private to that file.
+template <typename Reorder, typename StepFn>
+bool InPairOrder(const DecodeArgs& a, Reorder to_pairs, Reorder from_pairs, const StepFn& step) {
+  thread_local std::vector<DecodeHead> heads;
+  thread_local std::vector<float> q, acc;
+  const auto n = static_cast<size_t>(a.heads);
+  heads.assign(a.head, a.head + a.heads);
+  q.resize(n * static_cast<size_t>(a.d));
+  acc.resize(n * static_cast<size_t>(a.dv));
+  for (size_t i = 0; i < n; ++i) {
+    float* qi = q.data() + i * static_cast<size_t>(a.d);
+    to_pairs(a.head[i].q, a.d, qi);
+    heads[i].q = qi;
+    heads[i].acc = acc.data() + i * static_cast<size_t>(a.dv);
+    to_pairs(a.head[i].acc, a.dv, heads[i].acc);
+  }
+  DecodeArgs pairs = a;
+  pairs.head = heads.data();
+  const bool bad = step(pairs);
+  for (size_t i = 0; i < n; ++i) from_pairs(heads[i].acc, a.dv, a.head[i].acc);
   return bad;
 }
 
