@@ -564,6 +564,14 @@ TEST(FlashTest, HeadsTogetherMatchReferenceOnAnyThreadCount) {
 // against the reference within kF32Tol — the decoding kernel never rounds
 // P, so bf16 inputs (exact in f32) get the f32 bound too — and bitwise the
 // same on 1 to 3 threads.
+// A per-head mask: head 0 causal within a window of `window` keys, the
+// other heads causal.
+Mask WindowFirstHead(int64_t heads, int64_t window) {
+  std::vector<Mask> masks(static_cast<size_t>(heads), Mask::Causal());
+  masks[0] = Mask::Causal() & Mask::Local(window, 0);
+  return Mask::PerHead(masks);
+}
+
 TEST(FlashTest, DecodingStepsMatchReferenceOnAnyThreadCount) {
   struct Case {
     Shape shape;
@@ -608,6 +616,10 @@ TEST(FlashTest, DecodingStepsMatchReferenceOnAnyThreadCount) {
       {{1, 1, 260, 3, 3, 16, 32},
        Mask::PerHead({Mask::Causal(), Mask::Local(30, 0), Mask::Causal(-100)}),
        true},
+      // GQA where head 0's window leaves it alone on most tiles (its kv
+      // group partner computes them): a run of one among runs of two, which
+      // items of any number of kv groups (thread counts) must round alike.
+      {{1, 1, 1000, 16, 8, 64, 16}, WindowFirstHead(16, 30), true},
       // More rows per kv head than the kernel takes at once, or than a q block.
       {{1, 1, 150, 12, 1, 16, 16}, Mask::Causal(), false},
       {{1, 3, 150, 8, 2, 16, 16}, Mask::Causal(), false},

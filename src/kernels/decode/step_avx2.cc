@@ -3,11 +3,12 @@
 // their 8 dot products reduced by horizontal adds, an exact online-softmax
 // step per chunk, P V into register accumulators, entries sharing K/V rows
 // taking each loaded vector together, and (kRequestAhead) their rows four
-// chunks ahead requested into L2 a line at a time. AVX2 has no masked 16-bit loads: bf16 column
-// tails go through a small zeroed buffer, f32 tails through vmaskmov (which never faults on the
-// lanes it leaves out). With 16 vector registers, fewer tokens and columns are held at once than on
-// AVX-512. bf16 steps whose entries share no rows (MHA) read K and V as word pairs, as the AVX-512
-// step does (SplitPairs).
+// chunks ahead requested into L2 a line at a time. AVX2 has no masked
+// 16-bit loads: bf16 column tails go through a small zeroed buffer, f32
+// tails through vmaskmov (which never faults on the lanes it leaves out).
+// With 16 vector registers, fewer tokens and columns are held at once than
+// on AVX-512. bf16 entries that share their rows with no other (MHA) read
+// K and V as word pairs, as the AVX-512 step does (SplitPairs).
 #include <immintrin.h>
 
 #include <algorithm>
@@ -418,53 +419,45 @@ bool Chunk(const DecodeArgs& a, const DecodeHead* h, int64_t j0, int rows) {
   return bad;
 }
 
-template <typename T, bool kCapped, bool kPairs, bool kHwStreams>
+// kAlonePairs: bf16 rows with d and dv multiples of 16, where each entry
+// that is a run of its own (G = 1) reads them as word pairs, its q and acc
+// in pair order (InPairOrder).
+template <typename T, bool kCapped, bool kHwStreams, bool kAlonePairs>
 bool Step(const DecodeArgs& a) {
-  constexpr int kMaxRun = kPairs ? 1 : kMaxShare;
-  return ForEachChunk<kLanes, kMaxRun>(
+  return ForEachChunk<kLanes>(
       a, [&a](auto g, const DecodeHead* h, int64_t j0, int rows) RINGSPLASH_INLINE_LAMBDA {
-        return Chunk<decltype(g)::value, T, kCapped, kPairs, kHwStreams>(a, h, j0, rows);
+        constexpr int G = decltype(g)::value;
+        constexpr bool kPairs = kAlonePairs && G == 1;
+        return Chunk<G, T, kCapped, kPairs, kHwStreams>(a, h, j0, rows);
       });
 }
 
-// Step on bf16 rows in pair order (InPairOrder), for calls whose entries
-// share no rows (SharesRows).
-template <bool kCapped>
-bool StepPairs(const DecodeArgs& a) {
-  // One entry per run: no requests either way (kRequestAhead).
-  return InPairOrder(a, ToPairOrder, FromPairOrder, [](const DecodeArgs& pairs) {
-    return Step<uint16_t, kCapped, true, false>(pairs);
-  });
-}
-
-// Whether adjacent entries of the call read the same K and V rows (GQA,
-// or several query rows of a head).
-bool SharesRows(const DecodeArgs& a) {
-  for (int64_t i = 1; i < a.heads; ++i) {
-    if (a.head[i].k == a.head[i - 1].k && a.head[i].v == a.head[i - 1].v) return true;
-  }
-  return false;
-}
-
-template <typename T>
+template <typename T, bool kAlonePairs>
 bool StepOf(const DecodeArgs& a, bool capped, bool hw_streams) {
-  if (capped) return hw_streams ? Step<T, true, false, true>(a) : Step<T, true, false, false>(a);
-  return hw_streams ? Step<T, false, false, true>(a) : Step<T, false, false, false>(a);
+  if (capped) {
+    return hw_streams ? Step<T, true, true, kAlonePairs>(a) : Step<T, true, false, kAlonePairs>(a);
+  }
+  return hw_streams ? Step<T, false, true, kAlonePairs>(a) : Step<T, false, false, kAlonePairs>(a);
 }
 
 }  // namespace
 
-// bf16 rows go as word pairs only where no entries share rows (MHA steps:
-// 1.07-1.11x in place on one Zen 3 thread); with 4 or 8 entries per row
-// the pairs measured no faster (docs/PERFORMANCE.md, "Design
-// measurements").
+// bf16 rows go as word pairs for entries that share their rows with no
+// other (MHA steps: 1.07-1.11x in place on one Zen 3 thread); with 4 or 8
+// entries per row the pairs measured no faster (docs/PERFORMANCE.md,
+// "Design measurements"). The choice is per run, which the entries' rows
+// alone decide, never per call: a call's items take any number of kv
+// groups, so a per-call choice would follow the thread count.
 bool DecodeStep(const DecodeArgs& a) {
   const bool capped = a.softcap > 0.0f;
-  if (a.bf16 && a.d % 16 == 0 && a.dv % 16 == 0 && !SharesRows(a)) {
-    return capped ? StepPairs<true>(a) : StepPairs<false>(a);
-  }
   const bool hw_streams = DetectCpuFeatures().hw_prefetch_streams;
-  return a.bf16 ? StepOf<uint16_t>(a, capped, hw_streams) : StepOf<float>(a, capped, hw_streams);
+  if (a.bf16 && a.d % 16 == 0 && a.dv % 16 == 0) {
+    return InPairOrder(
+        a, ToPairOrder, FromPairOrder, [](int g) { return g == 1; },
+        [&](const DecodeArgs& pairs) { return StepOf<uint16_t, true>(pairs, capped, hw_streams); });
+  }
+  return a.bf16 ? StepOf<uint16_t, false>(a, capped, hw_streams)
+                : StepOf<float, false>(a, capped, hw_streams);
 }
 
 }  // namespace ringsplash::kernels::micro::avx2

@@ -392,8 +392,9 @@ bool Step(const DecodeArgs& a) {
 // Step on bf16 rows in pair order (InPairOrder).
 template <bool kCapped>
 bool StepPairs(const DecodeArgs& a) {
-  return InPairOrder(a, ToPairOrder, FromPairOrder,
-                     [](const DecodeArgs& pairs) { return Step<uint16_t, kCapped, true>(pairs); });
+  return InPairOrder(
+      a, ToPairOrder, FromPairOrder, [](int) { return true; },
+      [](const DecodeArgs& pairs) { return Step<uint16_t, kCapped, true>(pairs); });
 }
 
 }  // namespace
