@@ -220,11 +220,9 @@ RINGSPLASH_INLINE void Dots(const DecodeHead* h, const T* k, int64_t ldk, int64_
     };
     int64_t c = 0;
     if constexpr (kPairs) {
-      for (; c < d; c += kPerLine) {  // d is a multiple of 16: half a line at the end
-        if constexpr (kRequest) {
-          RINGSPLASH_UNROLL
-          for (int t = 0; t < kTokens; ++t) PrefetchRow(row[t] + c, ahead, 64);
-        }
+      // d is a multiple of 16: half a line at the end. One entry: no
+      // requests (kRequestAhead).
+      for (; c < d; c += kPerLine) {
         pair_step(c);
         if (c + 2 * kLanes < d) pair_step(c + 2 * kLanes);
       }
