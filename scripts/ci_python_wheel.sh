@@ -4,6 +4,8 @@
 # `import ringsplash` with only the runtime dependencies (NumPy, ml_dtypes;
 # no JAX in the venv) and one small attention call against a NumPy softmax.
 # The JAX side is tested by the README's test command (scripts/test.sh).
+# Warnings are errors, as in scripts/setup_python.sh's build: the same flags
+# let .ci/run's compiler cache serve this build the library's objects.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python=${RINGSPLASH_PYTHON:-/usr/bin/python3}
@@ -11,7 +13,8 @@ python=${RINGSPLASH_PYTHON:-/usr/bin/python3}
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 "$python" -m venv "$tmp/venv"
-"$tmp/venv/bin/python" -m pip install --disable-pip-version-check -q .
+"$tmp/venv/bin/python" -m pip install --disable-pip-version-check -q \
+  --config-settings=cmake.define.RINGSPLASH_WERROR=ON .
 cd "$tmp"  # away from the source tree: the installed package is imported
 "$tmp/venv/bin/python" - <<'PY'
 import importlib.util

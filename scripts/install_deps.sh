@@ -12,6 +12,7 @@ packages=(
   gnuplot-nox python3 time                      # docs/PERFORMANCE.md: plot, bench/run_targets.py, /usr/bin/time -v
   python3-numpy                                 # docs/CLI.md: the attend example writes its .npy inputs with NumPy
   python3-venv python3-dev                      # the Python package: its venv (scripts/setup_python.sh), Python headers
+  ccache                                        # .ci/run: the two Python builds share their library objects
 )
 [ $# -eq 0 ] || packages=("$@")
 missing=()
