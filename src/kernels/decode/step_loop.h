@@ -90,6 +90,15 @@ RINGSPLASH_INLINE bool ForEachChunk(const DecodeArgs& a, const ChunkFn& chunk) {
 template <typename Reorder, typename RunPredicate, typename StepFn>
 bool InPairOrder(const DecodeArgs& a, Reorder to_pairs, Reorder from_pairs,
                  const RunPredicate& in_pairs, const StepFn& step) {
+  // Calls with no such run (GQA calls, where every run shares its rows)
+  // reorder nothing: the step on `a` itself, without the copies.
+  bool any = false;
+  for (int64_t i = 0; i < a.heads && !any;) {
+    const int g = RunAt(a, i);
+    any = in_pairs(g);
+    i += g;
+  }
+  if (!any) return step(a);
   thread_local std::vector<DecodeHead> heads;
   thread_local std::vector<float> q, acc;
   const auto n = static_cast<size_t>(a.heads);
