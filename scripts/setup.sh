@@ -5,5 +5,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install_deps.sh
 cmake -S . -B build -DCMAKE_BUILD_TYPE=Release
-cmake --build build -j"$(nproc)"
+# The Python requirements install beside the build (beside_python_deps.sh).
+bash scripts/beside_python_deps.sh cmake --build build -j"$(nproc)"
 bash scripts/setup_python.sh

@@ -5,7 +5,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ ! -f build/CMakeCache.txt ]; then bash scripts/setup.sh; fi
-cmake --build build -j"$(nproc)"
+# The Python requirements install beside the build (beside_python_deps.sh).
+bash scripts/beside_python_deps.sh cmake --build build -j"$(nproc)"
 # Open MPI refuses root without these; the MPI tests run ranks as processes.
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 ctest --test-dir build --output-on-failure -j"$(nproc)" "$@"
