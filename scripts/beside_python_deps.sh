@@ -15,8 +15,13 @@ if [ $# -eq 0 ]; then
 fi
 deps_log=$(mktemp)
 trap 'rm -f "$deps_log"' EXIT
+# The install gets a process group of its own (job control on while it
+# starts), so an interrupt stops it whole, pip included, not only COMMAND.
+set -m
 bash scripts/setup_python.sh --deps >"$deps_log" 2>&1 &
 deps_pid=$!
+set +m
+trap 'kill -TERM -- -"$deps_pid" 2>/dev/null; exit 130' INT TERM
 rc=0
 "$@" || rc=$?
 deps_rc=0
