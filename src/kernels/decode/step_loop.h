@@ -90,22 +90,8 @@ RINGSPLASH_INLINE bool ForEachChunk(const DecodeArgs& a, const ChunkFn& chunk) {
 template <typename Reorder, typename RunPredicate, typename StepFn>
 bool InPairOrder(const DecodeArgs& a, Reorder to_pairs, Reorder from_pairs,
                  const RunPredicate& in_pairs, const StepFn& step) {
-  // Calls with no such run (GQA calls, where every run shares its rows)
-  // reorder nothing: the step on `a` itself, without the copies.
-  bool any = false;
-  for (int64_t i = 0; i < a.heads && !any;) {
-    const int g = RunAt(a, i);
-    any = in_pairs(g);
-    i += g;
-  }
-  if (!any) return step(a);
-  thread_local std::vector<DecodeHead> heads;
-  thread_local std::vector<float> q, acc;
-  const auto n = static_cast<size_t>(a.heads);
-  heads.assign(a.head, a.head + a.heads);
-  q.resize(n * static_cast<size_t>(a.d));
-  acc.resize(n * static_cast<size_t>(a.dv));
-  // Runs are the same in `heads` (the same rows), so each loop finds them.
+  // fn(e) for every entry e in a run with in_pairs. Runs are the same in
+  // the copy `heads` below (the same rows), so each loop finds them.
   auto for_each_reordered = [&](auto&& fn) {
     for (int64_t i = 0; i < a.heads;) {
       const int g = RunAt(a, i);
@@ -115,6 +101,17 @@ bool InPairOrder(const DecodeArgs& a, Reorder to_pairs, Reorder from_pairs,
       i += g;
     }
   };
+  // Calls with no such run (GQA calls, where every run shares its rows)
+  // reorder nothing: the step on `a` itself, without the copies.
+  bool any = false;
+  for_each_reordered([&any](size_t) { any = true; });
+  if (!any) return step(a);
+  thread_local std::vector<DecodeHead> heads;
+  thread_local std::vector<float> q, acc;
+  const auto n = static_cast<size_t>(a.heads);
+  heads.assign(a.head, a.head + a.heads);
+  q.resize(n * static_cast<size_t>(a.d));
+  acc.resize(n * static_cast<size_t>(a.dv));
   for_each_reordered([&](size_t e) {
     float* qe = q.data() + e * static_cast<size_t>(a.d);
     to_pairs(a.head[e].q, a.d, qe);
