@@ -10,8 +10,8 @@
 // (SSE2, NEON). The width matters on a server core, whose read rate is bound
 // by the lines it keeps in flight, and each load holds a place in the
 // out-of-order window: narrower loads read markedly less, and the AVX-512
-// decoding kernel would appear to beat a narrower probe (docs/PERFORMANCE.md,
-// "Design measurements": bandwidth probe load width). Dispatch is at run
+// decoding kernel would appear to beat a narrower probe (docs/perf/DESIGN_MEASUREMENTS.md:
+// bandwidth probe load width). Dispatch is at run
 // time (SupportedKernelPaths), so one binary runs on any x86-64; builds for
 // other processors have only the portable loop (the AVX files are not
 // compiled). Pages are written by the thread that reads them before the
@@ -61,8 +61,8 @@ Bandwidth MeasureReadBandwidth(int threads, int64_t bytes = ProbeBytes(), int re
 // (q_seq x heads / kv_heads). Such a step does rows / 2 FLOPs per byte of f32
 // K/V (rows per byte of bf16: 4 D FLOPs per row and key, against 2 D
 // elements): at 16 rows 8 or 16, below the FMA peak over the read bandwidth
-// of current server cores (tens of FLOPs per byte: docs/PERFORMANCE.md,
-// "Design measurements": decoding rows), so the bytes, not the FLOPs, bound
+// of current server cores (tens of FLOPs per byte: docs/perf/DESIGN_MEASUREMENTS.md:
+// decoding rows), so the bytes, not the FLOPs, bound
 // a step; 16 is also the most rows per head
 // the kernels' decoding schedules take (one vector, flash/schedule.h). Other
 // calls are measured against the peak only and skip the probe (its buffer

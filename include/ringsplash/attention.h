@@ -79,8 +79,8 @@ namespace ringsplash {
 
 // Tile sizes of the flash loop. Tuning knobs only: results do not change
 // beyond float rounding. Each must be a positive multiple of 16. 128 x 128
-// is the fastest on every case of docs/PERFORMANCE.md ("Design
-// measurements": tile sizes; against 64 x 128 it halves the K/V traffic per
+// is the fastest on every case of docs/PERFORMANCE.md (docs/perf/DESIGN_MEASUREMENTS.md:
+// tile sizes; against 64 x 128 it halves the K/V traffic per
 // FLOP); smaller tiles waste less at the edges of very narrow masks. A size
 // above the rows it tiles (rounded up to 16) acts as exactly that: one block
 // of those rows. Per-thread scratch grows with the block actually used, so a
@@ -110,7 +110,7 @@ inline constexpr int kMaxThreads = 1024;
 // kAmx is kAvx512Bf16 with those products on AMX tiles (Intel Sapphire
 // Rapids and later). Linux's tile permission is requested when bf16 work
 // first reaches them (a process-wide, lasting change: see
-// docs/PERFORMANCE.md); if refused, those products run on vdpbf16ps.
+// docs/perf/PATHS.md); if refused, those products run on vdpbf16ps.
 enum class KernelPath { kAuto, kPortable, kAvx2, kAvx512, kAvx512Bf16, kAmx };
 const char* KernelPathName(KernelPath path);
 KernelPath ParseKernelPath(const std::string& text);

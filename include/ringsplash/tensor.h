@@ -154,7 +154,7 @@ std::ostream& operator<<(std::ostream& os, const TensorView& t);
 // rows far apart (one 4 KiB page per K/V row and head otherwise). Used by
 // the CLI, tests and the ring's scratch buffers. Arrays from other
 // allocators (NumPy, PyTorch) get the pages their allocator gives; see
-// docs/PERFORMANCE.md, "Design measurements": huge pages for tensors.
+// docs/perf/DESIGN_MEASUREMENTS.md: huge pages for tensors.
 class Tensor {
  public:
   Tensor() = default;

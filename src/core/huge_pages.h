@@ -9,7 +9,7 @@
 // page of the tensor. On 4 KiB pages the kernels' row prefetches then stall
 // on page walks (a sliding-window forward's K/V tile copies spent most of
 // their time there); one 2 MiB page covers 1024 such rows
-// (docs/PERFORMANCE.md, "Design measurements": huge pages for tensors).
+// (docs/perf/DESIGN_MEASUREMENTS.md: huge pages for tensors).
 #ifndef RINGSPLASH_CORE_HUGE_PAGES_H_
 #define RINGSPLASH_CORE_HUGE_PAGES_H_
 

@@ -137,8 +137,8 @@ void FromPairOrder(const float* y, int64_t n, float* x) {
 // that the rows stream fast enough for the hardware and the requests cost
 // more than they save. On Zen 3 (2 threads, alternated), without them: f32
 // with 2 and 4 entries 1.36x and 1.19x faster, bf16 with 2 1.20x; f32 with
-// 8 entries and bf16 with 4 0.84x and 0.86-0.90x (docs/PERFORMANCE.md,
-// "Design measurements": decoding prefetch).
+// 8 entries and bf16 with 4 0.84x and 0.86-0.90x (docs/perf/DESIGN_MEASUREMENTS.md:
+// decoding prefetch).
 template <int G, typename T, bool kHwStreams>
 constexpr bool kRequestAhead = G >= 2 && (!kHwStreams ||
                                           static_cast<int>(sizeof(float) / sizeof(T)) * G >= 8);
@@ -442,8 +442,8 @@ bool StepOf(const DecodeArgs& a, bool capped, bool hw_streams) {
 
 // bf16 rows go as word pairs for entries that share their rows with no
 // other (MHA steps: 1.07-1.11x in place on one Zen 3 thread); with 4 or 8
-// entries per row the pairs measured no faster (docs/PERFORMANCE.md,
-// "Design measurements"). The choice is per run, which the entries' rows
+// entries per row the pairs measured no faster (docs/perf/DESIGN_MEASUREMENTS.md).
+// The choice is per run, which the entries' rows
 // alone decide, never per call: a call's items take any number of kv
 // groups, so a per-call choice would follow the thread count.
 bool DecodeStep(const DecodeArgs& a) {

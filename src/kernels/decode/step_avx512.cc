@@ -56,8 +56,8 @@ constexpr int kMaxShare = static_cast<int>(kMaxDecodeShare);  // entries done to
 // latency: each K and V row two chunks ahead (32 keys) is requested into L2
 // (prefetcht1), a line at a time beside the loads of the same columns of
 // this chunk's row — spread over the arithmetic, since a request waits for
-// a free fill buffer and a burst of them stalls the core (docs/PERFORMANCE.md,
-// "Design measurements": decoding prefetch). One head per row (MHA) keeps
+// a free fill buffer and a burst of them stalls the core (docs/perf/DESIGN_MEASUREMENTS.md:
+// decoding prefetch). One head per row (MHA) keeps
 // enough loads in flight by itself; the requests would only slow it, so it
 // makes none.
 constexpr int64_t kPrefetchKeys = 32;

@@ -202,7 +202,7 @@ class QSide {
 // 128) streams through the caches once per group instead of once per kv
 // tile. One tile at a time, the q side of a long query range (22 MiB per
 // kv tile and head at 8192 queries) outgrows the L3 share of a core and
-// the backward slows per FLOP (docs/PERFORMANCE.md, "Design measurements":
+// the backward slows per FLOP (docs/perf/DESIGN_MEASUREMENTS.md:
 // kv groups in the backward). The group's K, V, dK and dV (~290 KiB per
 // tile at D = 128) stay in L2.
 constexpr int64_t kKvGroup = 4;
@@ -377,7 +377,7 @@ void AccumulateKv(const Context& c, const QTile& qs, int64_t qb, int64_t kvb, fl
   }
   // In a partial tile, key j's rows of P^T and dS^T are zero outside the
   // queries that may see it (masked lanes are written as 0): the products
-  // skip those (docs/PERFORMANCE.md, "Design measurements": masked ranges
+  // skip those (docs/perf/DESIGN_MEASUREMENTS.md: masked ranges
   // in the backward).
   const micro::KRanges ranges = ws.masked ? ws.mask.queries_of_key() : micro::KRanges();
   c.mk.gemm_f32_ranges(n, g.dvp, m, ws.pt.data(), g.ld_q, 1, qs.dout, g.ld_dv, dv, g.ld_dv, nullptr,
@@ -413,7 +413,7 @@ void CountTile(BlockKind kind, const Geometry& g, int64_t m, int64_t n, WorkerSt
 // The accumulators (FlashBackward) and what is done with their contents.
 // Their tiles are summed in scratch first and added (or written) once: the
 // products adding straight into rows Heads x D apart ran 2-6 % slower
-// (docs/PERFORMANCE.md, "Design measurements").
+// (docs/perf/DESIGN_MEASUREMENTS.md).
 struct Accumulators {
   float* dq;  // [B, Sq, H, D]
   float* dk;  // [B, Skv, Hkv, D]

@@ -96,7 +96,7 @@ struct BlockState {
 // 2^-8 max|v|: the bf16 tolerance the tests allow, and what FlashAttention
 // does on GPUs), V (bf16 already, so exact) packed as pairs once per fetched
 // kv tile. P V then runs at the bf16 product rate, well above f32 FMAs on
-// both (docs/PERFORMANCE.md, "Design measurements": bf16 P V).
+// both (docs/perf/DESIGN_MEASUREMENTS.md: bf16 P V).
 bool UseBf16Pv(const FlashParams& p, const micro::MicroKernels& mk) {
   return UseBf16Scores(p, mk) && mk.pack_pairs_bf16 != nullptr &&
          mk.pack_pairs_from_bf16 != nullptr;
@@ -106,7 +106,7 @@ bool UseBf16Pv(const FlashParams& p, const micro::MicroKernels& mk) {
 // of unit inner stride, K in place for the bf16 GEMMs and V pairs packed
 // straight from the tensor: no per-call copies, which would be a large part
 // of a long sliding-window forward, page faults included
-// (docs/PERFORMANCE.md, "Design measurements": bf16 K and V in place).
+// (docs/perf/DESIGN_MEASUREMENTS.md: bf16 K and V in place).
 KvRows::KeyFormat KeyFormatFor(const FlashParams& p, bool bf16, bool bf16_pv) {
   if (!bf16) return KvRows::KeyFormat::kF32;
   const bool tensor_pairs = bf16_pv && p.v.dtype == DType::kBF16 && p.v.stride[3] == 1;
@@ -461,7 +461,7 @@ class ForwardCall {
   // Query row (b, i, h) as f32 into q[0, d); whether it holds a NaN or an
   // infinity (exponent bits all ones). Rows of unit stride take loops the
   // compiler vectorises: at short Skv the rows of a decoding call are a
-  // visible part of it (docs/PERFORMANCE.md, "Design measurements": query
+  // visible part of it (docs/perf/DESIGN_MEASUREMENTS.md: query
   // rows of decoding calls).
   bool QueryRow(int64_t b, int64_t i, int64_t h, float* q) const {
     const int64_t at = p_.q.Offset(b, i, h, 0), step = p_.q.stride[3];

@@ -60,8 +60,8 @@ bool UseDecodeStep(const FlashParams& p);
 // before the next tile, so the rows of all heads — in [B, S, Hkv, D] one
 // contiguous span per token — are read in one sweep. One head at a time
 // would read 512 of every 16 KiB (MHA, H = 32, D = 128) across the whole
-// cache, at well below the memory bandwidth of one sweep (docs/PERFORMANCE.md,
-// "Design measurements": heads together). 1 (one head per item) otherwise. At
+// cache, at well below the memory bandwidth of one sweep (docs/perf/DESIGN_MEASUREMENTS.md:
+// heads together). 1 (one head per item) otherwise. At
 // most kMaxHeadsTogether, which bounds the per-thread state (a Q^T tile and
 // an accumulator per head); in decoding mode (UseDecodeStep) items are
 // rounded up to whole kv groups and may hold more (state sized at run time). A function of the

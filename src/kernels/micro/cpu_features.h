@@ -18,7 +18,7 @@ struct CpuFeatures {
   // 5 execute it on the FMA pipes at the FMA instruction rate), not on
   // Intel's (Sapphire Rapids-class cores issue vdpbf16ps zmm at half the FMA
   // rate, so its FLOP rate only equals f32 FMA and the avx512 path, bf16
-  // widened to f32, is as fast and more accurate). Rates: docs/PERFORMANCE.md,
+  // widened to f32, is as fast and more accurate). Rates: docs/perf/PATHS.md,
   // "bf16 on vdpbf16ps". kAuto prefers avx512_bf16 only when this is true.
   bool fast_bf16_dot = false;
   // avx512_bf16 and AMX-TILE + AMX-BF16, and the OS saving the tile state
@@ -31,8 +31,8 @@ struct CpuFeatures {
   // makes no software requests for them (decode/step_avx2.cc,
   // kRequestAhead): set on AMD CPUs. On a Zen 3 the requests made such steps
   // 1.2-1.4x slower; on the Intel Xeon host, requests made GQA steps
-  // 1.3-1.6x faster (AVX-512 step; docs/PERFORMANCE.md, "Design
-  // measurements": decoding prefetch). A speed property, as fast_bf16_dot.
+  // 1.3-1.6x faster (AVX-512 step; docs/perf/DESIGN_MEASUREMENTS.md:
+  // decoding prefetch). A speed property, as fast_bf16_dot.
   bool hw_prefetch_streams = false;
 };
 

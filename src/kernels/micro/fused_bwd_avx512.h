@@ -4,7 +4,7 @@
 // (micro/fused_bwd_stored_avx512.cc). Two files, so that the two sets of
 // unrolled block instantiations compile on two cores at once: an
 // instrumented sanitizer build of both in one file is the slowest compile
-// of CI (docs/PERFORMANCE.md, "Design measurements": two fused backward
+// of CI (docs/perf/DESIGN_MEASUREMENTS.md: two fused backward
 // files). lse is known, so P^T = 2^(x * log2 e - lse * log2 e) is fused
 // into the S^T block, and dS^T = scale P^T (dP^T - delta) into the
 // dP^T = V dO^T block. Include only from AVX-512 translation units.

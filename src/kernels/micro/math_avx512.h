@@ -22,8 +22,8 @@ inline __m512 Exp2Poly512(__m512 f) {
 
 // Results in the subnormal range cost a microcode assist per instruction on
 // Intel cores (hundreds of cycles): masked logits (-inf) pushed through exp
-// would slow the exact softmax step several times over (docs/PERFORMANCE.md,
-// "Design measurements": no subnormal exps). So the exps below never produce
+// would slow the exact softmax step several times over (docs/perf/DESIGN_MEASUREMENTS.md:
+// no subnormal exps). So the exps below never produce
 // subnormals: tiny results are either clamped to a normal number or zeroed.
 
 // 2^x, x = n + f with n = round(x) (adding 1.5 * 2^23 rounds to an integer),

@@ -79,8 +79,8 @@ void TileBlock(int64_t k2, const uint16_t* a, int64_t lda, const uint16_t* b, in
 // C[m x n] (+)= A B with m, n and k2 multiples of 16. Row panels of 32
 // outside: a panel of A (32 rows x k2 pairs, 8 KiB at k2 = 64) stays in L1
 // while the column blocks stream B. Faster than column panels outside (B's
-// panel kept instead) on the products of D = 128 (docs/PERFORMANCE.md,
-// "Design measurements": AMX row panels).
+// panel kept instead) on the products of D = 128 (docs/perf/DESIGN_MEASUREMENTS.md:
+// AMX row panels).
 void TileProducts(int64_t m, int64_t n, int64_t k2, const uint16_t* a, int64_t lda,
                   const uint16_t* b, int64_t ldb, float* c, int64_t ldc, bool accumulate) {
   // GCC 12's tile load and store intrinsics are asm without a "memory"

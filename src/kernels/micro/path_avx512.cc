@@ -22,7 +22,7 @@ namespace {
 
 // Rows this far ahead are requested while a row is copied: enough misses in
 // flight for a stream of 512-byte rows 4 KiB apart, which the hardware
-// prefetchers do not follow (docs/PERFORMANCE.md, "Design measurements":
+// prefetchers do not follow (docs/perf/DESIGN_MEASUREMENTS.md:
 // row prefetch in the f32 tile copy).
 constexpr int64_t kPrefetchRows = 8;
 

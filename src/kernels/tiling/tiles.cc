@@ -220,8 +220,8 @@ KvRows::KvRows(const FlashParams& p, const Geometry& g, KeyFormat keys, double u
   // K (see the class comment): rows back to back are read in place; rows
   // of other heads in between (a [B, S, H, D] tensor with H > 1) put every
   // row of a tile on the same few L1 sets, which slows the score product —
-  // packing pays once tiles are used often (docs/PERFORMANCE.md, "Design
-  // measurements": K rows in place).
+  // packing pays once tiles are used often (docs/perf/DESIGN_MEASUREMENTS.md:
+  // K rows in place).
   if (keys == KeyFormat::kF32 && k_f32 && (k_rows_dense || uses < kPackMinUses)) {
     k_in_place_ = k.data;
     ldk_ = k.stride[1];
@@ -418,8 +418,8 @@ bool PackTransposed(const micro::MicroKernels& mk, const TensorView& t, int64_t 
                             t.stride[1], dst, ld);
   } else {
     // Rows widened to f32 first, then the micro-kernels' transpose: faster
-    // than an element-wise transposing copy (docs/PERFORMANCE.md, "Design
-    // measurements": widening before the transpose).
+    // than an element-wise transposing copy (docs/perf/DESIGN_MEASUREMENTS.md:
+    // widening before the transpose).
     thread_local AlignedBuffer<float> rows_f32;
     Grow(rows_f32, rows * cols);
     if (t.dtype == DType::kBF16 && t.stride[3] == 1) {

@@ -117,7 +117,7 @@ class TileMask {
 //     kPackMinUses times on average (`uses`: computed tiles per kv tile of a
 //     batch, over all query heads of its group) — dense masks and long rows,
 //     not sliding windows — or when it cannot be read in place
-//     (docs/PERFORMANCE.md, "Design measurements": V rows in place).
+//     (docs/perf/DESIGN_MEASUREMENTS.md: V rows in place).
 // With `tile_cache` and f32 keys (kF32, kF32Padded), K and V tiles used too
 // rarely for a copy per call are instead copied per thread as they are used
 // (KvTileCache) — f32 rows copied, bf16 rows widened — unless they can be
@@ -285,8 +285,8 @@ bool PackTransposed(const micro::MicroKernels& mk, const TensorView& t, int64_t 
 // rows' words: bf16 views with unit inner stride, even C and 4-byte aligned
 // rows go through the micro-kernels' 16 x 16 f32 transpose (moving words;
 // its NaN/Inf answer means nothing for pairs and is not used), others
-// through the slower element loop (docs/PERFORMANCE.md, "Design
-// measurements": Q^T of bf16 rows). ld >= RoundUp(rows, kVec).
+// through the slower element loop (docs/perf/DESIGN_MEASUREMENTS.md:
+// Q^T of bf16 rows). ld >= RoundUp(rows, kVec).
 void PackTransposedPairsBf16(const micro::MicroKernels& mk, const TensorView& t, int64_t b,
                              int64_t head, int64_t r0, int64_t rows, uint16_t* dst, int64_t ld);
 
