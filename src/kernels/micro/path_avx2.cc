@@ -413,7 +413,7 @@ bool CopyRowsAsF32(const T* src, int64_t lds, int64_t rows, int64_t cols, float*
 // 8 x 8 blocks transposed in registers: unpack pairs of rows, shuffle pairs
 // of 64-bit pairs, then swap 128-bit halves. Each 8-row strip reads its rows
 // front to back, where a column walk touches 128 strided cache lines per
-// column (docs/PERFORMANCE.md, "Design measurements": AVX2 Q^T transpose).
+// column (docs/perf/DESIGN_MEASUREMENTS.md: AVX2 Q^T transpose).
 // The loaded values go through NonFiniteCheck (lanes beyond `cols` and rows
 // beyond `rows` load as 0).
 bool TransposeF32(int64_t rows, int64_t cols, const float* src, int64_t lds, float* dst,
