@@ -61,10 +61,10 @@ Bandwidth MeasureReadBandwidth(int threads, int64_t bytes = ProbeBytes(), int re
 // (q_seq x heads / kv_heads). Such a step does rows / 2 FLOPs per byte of f32
 // K/V (rows per byte of bf16: 4 D FLOPs per row and key, against 2 D
 // elements): at 16 rows 8 or 16, below the FMA peak over the read bandwidth
-// of current server cores (tens of FLOPs per byte: docs/perf/DESIGN_MEASUREMENTS.md:
-// decoding rows), so the bytes, not the FLOPs, bound
-// a step; 16 is also the most rows per head
-// the kernels' decoding schedules take (one vector, flash/schedule.h). Other
+// of current server cores (tens of FLOPs per byte:
+// docs/perf/DESIGN_MEASUREMENTS.md: decoding rows), so the bytes, not the
+// FLOPs, bound a step; 16 is also the most rows per head the kernels'
+// decoding schedules take (one vector, flash/schedule.h). Other
 // calls are measured against the peak only and skip the probe (its buffer
 // would add to every run's time and memory).
 inline constexpr int64_t kMaxDecodingRows = 16;

@@ -79,13 +79,13 @@ namespace ringsplash {
 
 // Tile sizes of the flash loop. Tuning knobs only: results do not change
 // beyond float rounding. Each must be a positive multiple of 16. 128 x 128
-// is the fastest on every case of docs/PERFORMANCE.md (docs/perf/DESIGN_MEASUREMENTS.md:
-// tile sizes; against 64 x 128 it halves the K/V traffic per
-// FLOP); smaller tiles waste less at the edges of very narrow masks. A size
-// above the rows it tiles (rounded up to 16) acts as exactly that: one block
-// of those rows. Per-thread scratch grows with the block actually used, so a
-// block of many thousand rows costs memory (tens of MiB per thread at
-// D = 128), never more than the rows need.
+// is the fastest on every case of docs/PERFORMANCE.md
+// (docs/perf/DESIGN_MEASUREMENTS.md: tile sizes; against 64 x 128 it halves
+// the K/V traffic per FLOP); smaller tiles waste less at the edges of very
+// narrow masks. A size above the rows it tiles (rounded up to 16) acts as
+// exactly that: one block of those rows. Per-thread scratch grows with the
+// block actually used, so a block of many thousand rows costs memory (tens
+// of MiB per thread at D = 128), never more than the rows need.
 struct BlockSizes {
   int64_t q = 128;
   int64_t kv = 128;

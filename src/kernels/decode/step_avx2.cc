@@ -442,10 +442,10 @@ bool StepOf(const DecodeArgs& a, bool capped, bool hw_streams) {
 
 // bf16 rows go as word pairs for entries that share their rows with no
 // other (MHA steps: 1.07-1.11x in place on one Zen 3 thread); with 4 or 8
-// entries per row the pairs measured no faster (docs/perf/DESIGN_MEASUREMENTS.md).
-// The choice is per run, which the entries' rows
-// alone decide, never per call: a call's items take any number of kv
-// groups, so a per-call choice would follow the thread count.
+// entries per row the pairs measured no faster (docs/perf/DESIGN_MEASUREMENTS.md:
+// AVX2 bf16 word pairs). The choice is per run, which the entries' rows alone
+// decide, never per call: a call's items take any number of kv groups, so a
+// per-call choice would follow the thread count.
 bool DecodeStep(const DecodeArgs& a) {
   const bool capped = a.softcap > 0.0f;
   const bool hw_streams = DetectCpuFeatures().hw_prefetch_streams;

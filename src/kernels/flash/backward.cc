@@ -413,7 +413,7 @@ void CountTile(BlockKind kind, const Geometry& g, int64_t m, int64_t n, WorkerSt
 // The accumulators (FlashBackward) and what is done with their contents.
 // Their tiles are summed in scratch first and added (or written) once: the
 // products adding straight into rows Heads x D apart ran 2-6 % slower
-// (docs/perf/DESIGN_MEASUREMENTS.md).
+// (docs/perf/DESIGN_MEASUREMENTS.md: gradient tiles summed in scratch).
 struct Accumulators {
   float* dq;  // [B, Sq, H, D]
   float* dk;  // [B, Skv, Hkv, D]

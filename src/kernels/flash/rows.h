@@ -18,9 +18,9 @@ namespace ringsplash::kernels {
 // dst[c] = src[c] * s for c < n. With `stream`, 16-byte aligned rows are
 // written with non-temporal stores: a large output is written once and not
 // read back by the kernel, so fetching its lines first (read for ownership)
-// would double the memory traffic of the last step (docs/perf/DESIGN_MEASUREMENTS.md:
-// non-temporal output stores). The caller orders
-// them with StreamFence().
+// would double the memory traffic of the last step
+// (docs/perf/DESIGN_MEASUREMENTS.md: non-temporal output stores). The caller
+// orders them with StreamFence().
 // (Other architectures get ordinary stores.)
 void ScaleRow(float* dst, const float* src, int64_t n, float s, bool stream);
 
