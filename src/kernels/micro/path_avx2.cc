@@ -17,6 +17,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 
 #include "src/kernels/micro/blocking.h"
 #include "src/kernels/micro/math_avx2.h"
@@ -117,20 +118,37 @@ inline __m256 Allowed8(const TileArgs& t, int64_t j, int64_t i0) {
   return _mm256_castsi256_ps(_mm256_cmpeq_epi32(hit, lane_bit));
 }
 
+// The soft cap and the mask are compile-time switches of the loops below
+// (as in flash-attention's variants and the AVX-512 kernels): with run-time
+// tests, GCC kept the tanh code inline beside each exp and reloaded every
+// constant per vector, and the fused forward tile ran ~5 % slower
+// (docs/perf/DESIGN_MEASUREMENTS.md: AVX2 cap and mask as template switches).
+// Calls f(capped, masked) with both as std::bool_constant.
+template <class F>
+RINGSPLASH_INLINE void WithSwitches(const TileArgs& t, F&& f) {
+  const bool capped = t.softcap > 0.0f, masked = t.mask != nullptr;
+  using Yes = std::true_type;
+  using No = std::false_type;
+  if (capped) {
+    masked ? f(Yes(), Yes()) : f(Yes(), No());
+  } else {
+    masked ? f(No(), Yes()) : f(No(), No());
+  }
+}
+
 // Logit of a raw product: x = s * scale, then softcap * tanh(x / softcap)
 // with a cap (the same operations, in the same order, as the portable loops);
 // *th receives the tanh (the backward's derivative needs it).
+template <bool kCapped>
 struct LogitOp {
   __m256 scale, cap, inv_cap;
-  bool capped;
   explicit LogitOp(const TileArgs& t)
       : scale(_mm256_set1_ps(t.scale)),
         cap(_mm256_set1_ps(t.softcap)),
-        inv_cap(_mm256_set1_ps(t.softcap > 0.0f ? 1.0f / t.softcap : 0.0f)),
-        capped(t.softcap > 0.0f) {}
+        inv_cap(_mm256_set1_ps(kCapped ? 1.0f / t.softcap : 0.0f)) {}
   RINGSPLASH_INLINE __m256 operator()(__m256 s, __m256* th) const {
     const __m256 x = _mm256_mul_ps(s, scale);
-    if (!capped) return x;
+    if constexpr (!kCapped) return x;
     *th = Tanh256(_mm256_mul_ps(x, inv_cap));
     return _mm256_mul_ps(cap, *th);
   }
@@ -139,16 +157,15 @@ struct LogitOp {
 // Base-2 exponent of a raw product against a shift2 = m * log2 e, for the
 // lazy step: x * log2 e - shift2 in one FMA (the logit's scale folded into
 // c2) without a cap; with one, cap * log2 e * tanh(s * scale / cap) - shift2.
+template <bool kCapped>
 struct ExponentOp {
   __m256 c2, in, out;
-  bool capped;
   explicit ExponentOp(const TileArgs& t)
       : c2(_mm256_set1_ps(t.scale * poly::kLog2e)),
-        in(_mm256_set1_ps(t.softcap > 0.0f ? t.scale / t.softcap : 0.0f)),
-        out(_mm256_set1_ps(t.softcap * poly::kLog2e)),
-        capped(t.softcap > 0.0f) {}
+        in(_mm256_set1_ps(kCapped ? t.scale / t.softcap : 0.0f)),
+        out(_mm256_set1_ps(t.softcap * poly::kLog2e)) {}
   RINGSPLASH_INLINE __m256 operator()(__m256 s, __m256 shift2) const {
-    if (!capped) return _mm256_fmsub_ps(s, c2, shift2);
+    if constexpr (!kCapped) return _mm256_fmsub_ps(s, c2, shift2);
     return _mm256_fmsub_ps(Tanh256(_mm256_mul_ps(s, in)), out, shift2);
   }
 };
@@ -156,7 +173,8 @@ struct ExponentOp {
 // The exact online-softmax step (SoftmaxColumnsFn) of the 8-query strip at
 // i0: first pass logits (-inf where masked) and their max, second pass
 // P^T = exp(x - shift) and the lane sums, then the state of the live lanes.
-void SoftmaxStrip(const TileArgs& t, const LogitOp& logit, int64_t i0, float* row_max,
+template <bool kCapped, bool kMasked>
+void SoftmaxStrip(const TileArgs& t, const LogitOp<kCapped>& logit, int64_t i0, float* row_max,
                   float* row_sum, float* alpha) {
   const __m256 neg_inf = _mm256_set1_ps(kNegInf);
   __m256 vmax = neg_inf;
@@ -164,7 +182,7 @@ void SoftmaxStrip(const TileArgs& t, const LogitOp& logit, int64_t i0, float* ro
     float* s = t.pt + j * t.ldp + i0;
     __m256 th;
     __m256 x = logit(_mm256_loadu_ps(s), &th);
-    if (t.mask != nullptr) x = _mm256_blendv_ps(neg_inf, x, Allowed8(t, j, i0));
+    if constexpr (kMasked) x = _mm256_blendv_ps(neg_inf, x, Allowed8(t, j, i0));
     _mm256_storeu_ps(s, x);
     vmax = _mm256_max_ps(vmax, x);
   }
@@ -189,9 +207,14 @@ void SoftmaxStrip(const TileArgs& t, const LogitOp& logit, int64_t i0, float* ro
 }
 
 void SoftmaxColumns(const TileArgs& t, float* row_max, float* row_sum, float* alpha) {
-  const LogitOp logit(t);
-  const int64_t mp = RoundUp(t.queries, kVec);
-  for (int64_t i0 = 0; i0 < mp; i0 += 8) SoftmaxStrip(t, logit, i0, row_max, row_sum, alpha);
+  WithSwitches(t, [&](auto capped, auto masked) {
+    const LogitOp<decltype(capped)::value> logit(t);
+    const int64_t mp = RoundUp(t.queries, kVec);
+    for (int64_t i0 = 0; i0 < mp; i0 += 8) {
+      SoftmaxStrip<decltype(capped)::value, decltype(masked)::value>(t, logit, i0, row_max, row_sum,
+                                                                     alpha);
+    }
+  });
 }
 
 // Whether the register block of keys [j0, j0 + rows) x the 16 queries from
@@ -237,14 +260,16 @@ void ScoresT(const TileArgs& t) { MaskedProducts(t, t.d, t.k, t.ldk, t.qt, t.pt)
 // from the accumulators (0 where masked), one 16-query strip at a time, with
 // the strip's lane sums kept in registers and stored to sums[mp] at its end.
 // m2[mp] holds each lane's reference max times log2 e (0 for dead lanes).
-void LazyScores(const TileArgs& t, const ExponentOp& exponent, const float* m2, float* sums) {
+template <bool kCapped, bool kMasked>
+void LazyScores(const TileArgs& t, const float* m2, float* sums) {
+  const ExponentOp<kCapped> exponent(t);
   const int64_t mp = RoundUp(t.queries, kVec);
   for (int64_t i0 = 0; i0 < mp; i0 += kVec) {
     const __m256 ref[2] = {_mm256_loadu_ps(m2 + i0), _mm256_loadu_ps(m2 + i0 + 8)};
     __m256 sum[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
     ForEachRowBlock<kRows>(t.keys, [&](int64_t j0, auto rows) {
       constexpr int R = decltype(rows)::value;
-      if (!AnyAllowed(t, j0, R, i0)) {
+      if (kMasked && !AnyAllowed(t, j0, R, i0)) {
         for (int r = 0; r < R; ++r) {
           _mm256_storeu_ps(t.pt + (j0 + r) * t.ldp + i0, _mm256_setzero_ps());
           _mm256_storeu_ps(t.pt + (j0 + r) * t.ldp + i0 + 8, _mm256_setzero_ps());
@@ -260,7 +285,7 @@ void LazyScores(const TileArgs& t, const ExponentOp& exponent, const float* m2, 
         RINGSPLASH_UNROLL
         for (int v = 0; v < 2; ++v) {
           __m256 p = Exp2Raw256(exponent(acc[r][v], ref[v]));
-          if (t.mask != nullptr) p = _mm256_and_ps(p, Allowed8(t, j0 + r, i0 + 8 * v));
+          if constexpr (kMasked) p = _mm256_and_ps(p, Allowed8(t, j0 + r, i0 + 8 * v));
           _mm256_storeu_ps(t.pt + (j0 + r) * t.ldp + i0 + 8 * v, p);
           sum[v] = _mm256_add_ps(sum[v], p);
         }
@@ -284,7 +309,9 @@ bool TryLazyStep(const TileArgs& t, float* row_max, float* row_sum, float* alpha
   float* m2 = t.scratch;
   float* sums = t.scratch + mp;
   for (int64_t i = 0; i < mp; ++i) m2[i] = i < t.queries ? row_max[i] * poly::kLog2e : 0.0f;
-  LazyScores(t, ExponentOp(t), m2, sums);
+  WithSwitches(t, [&](auto capped, auto masked) {
+    LazyScores<decltype(capped)::value, decltype(masked)::value>(t, m2, sums);
+  });
   for (int64_t i = 0; i < t.queries; ++i) {
     if (!(sums[i] <= kLazySumLimit)) return false;  // a NaN fails too
   }
@@ -301,6 +328,37 @@ void ForwardTile(const TileArgs& t, float* row_max, float* row_sum, float* alpha
   SoftmaxColumns(t, row_max, row_sum, alpha);
 }
 
+// The elementwise pass of BackwardTile over the stored S^T and dP^T:
+// P^T = exp(logit - lse) (0 where masked or lse = -inf) and
+// dS^T = scale P^T (dP^T - delta) [* (1 - tanh^2)], in place.
+template <bool kCapped, bool kMasked>
+void BackwardPass(const BackwardTileArgs& b, const float* lse, const float* delta) {
+  const TileArgs& t = b.t;
+  const int64_t mp = RoundUp(t.queries, kVec);
+  const LogitOp<kCapped> logit(t);
+  const __m256 neg_inf = _mm256_set1_ps(kNegInf);
+  const __m256 one = _mm256_set1_ps(1.0f);
+  for (int64_t i0 = 0; i0 < mp; i0 += 8) {
+    const __m256 l = _mm256_loadu_ps(lse + i0);
+    const __m256 keys = _mm256_cmp_ps(l, neg_inf, _CMP_NEQ_OQ);
+    const __m256 shift = _mm256_and_ps(keys, l);
+    const __m256 dl = _mm256_loadu_ps(delta + i0);
+    for (int64_t j = 0; j < t.keys; ++j) {
+      const int64_t o = j * t.ldp + i0;
+      __m256 th = _mm256_setzero_ps();
+      const __m256 x = logit(_mm256_loadu_ps(t.pt + o), &th);
+      __m256 ok = keys;
+      if constexpr (kMasked) ok = _mm256_and_ps(ok, Allowed8(t, j, i0));
+      const __m256 p = _mm256_and_ps(ok, Exp256(_mm256_sub_ps(x, shift)));
+      __m256 ds = _mm256_mul_ps(_mm256_mul_ps(logit.scale, p),
+                                _mm256_sub_ps(_mm256_loadu_ps(b.ds + o), dl));
+      if constexpr (kCapped) ds = _mm256_mul_ps(ds, _mm256_fnmadd_ps(th, th, one));
+      _mm256_storeu_ps(t.pt + o, p);
+      _mm256_storeu_ps(b.ds + o, ds);
+    }
+  }
+}
+
 void BackwardTile(const BackwardTileArgs& b) {
   const TileArgs& t = b.t;
   const int64_t mp = RoundUp(t.queries, kVec);
@@ -315,28 +373,9 @@ void BackwardTile(const BackwardTileArgs& b) {
     lse[i] = i < t.queries ? b.lse[i] : kNegInf;
     delta[i] = i < t.queries ? b.delta[i] : 0.0f;
   }
-  const LogitOp logit(t);
-  const __m256 neg_inf = _mm256_set1_ps(kNegInf);
-  const __m256 one = _mm256_set1_ps(1.0f);
-  for (int64_t i0 = 0; i0 < mp; i0 += 8) {
-    const __m256 l = _mm256_loadu_ps(lse + i0);
-    const __m256 keys = _mm256_cmp_ps(l, neg_inf, _CMP_NEQ_OQ);
-    const __m256 shift = _mm256_and_ps(keys, l);
-    const __m256 dl = _mm256_loadu_ps(delta + i0);
-    for (int64_t j = 0; j < t.keys; ++j) {
-      const int64_t o = j * t.ldp + i0;
-      __m256 th = _mm256_setzero_ps();
-      const __m256 x = logit(_mm256_loadu_ps(t.pt + o), &th);
-      __m256 ok = keys;
-      if (t.mask != nullptr) ok = _mm256_and_ps(ok, Allowed8(t, j, i0));
-      const __m256 p = _mm256_and_ps(ok, Exp256(_mm256_sub_ps(x, shift)));
-      __m256 ds = _mm256_mul_ps(_mm256_mul_ps(logit.scale, p),
-                                _mm256_sub_ps(_mm256_loadu_ps(b.ds + o), dl));
-      if (logit.capped) ds = _mm256_mul_ps(ds, _mm256_fnmadd_ps(th, th, one));
-      _mm256_storeu_ps(t.pt + o, p);
-      _mm256_storeu_ps(b.ds + o, ds);
-    }
-  }
+  WithSwitches(t, [&](auto capped, auto masked) {
+    BackwardPass<decltype(capped)::value, decltype(masked)::value>(b, lse, delta);
+  });
 }
 
 // Running NaN/Inf check over loaded f32 vectors (as NonFiniteCheck in
