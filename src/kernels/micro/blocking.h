@@ -38,6 +38,21 @@ RINGSPLASH_INLINE void WithLayout(int64_t a_rs, int64_t a_cs, F&& f) {
   }
 }
 
+// Calls f(capped, masked), both std::bool_constant: whether tile t has a
+// soft cap and a mask, as compile-time switches of the loops f runs (one
+// instantiation each, chosen once per tile instead of tested per vector).
+template <class F>
+RINGSPLASH_INLINE void WithSwitches(const TileArgs& t, F&& f) {
+  const bool capped = t.softcap > 0.0f, masked = t.mask != nullptr;
+  using Yes = std::true_type;
+  using No = std::false_type;
+  if (capped) {
+    masked ? f(Yes(), Yes()) : f(Yes(), No());
+  } else {
+    masked ? f(No(), Yes()) : f(No(), No());
+  }
+}
+
 // Calls f(std::integral_constant<int, C>) with C == count, 1 <= count <= N:
 // a run-time row or vector count turned into a compile-time one.
 template <int N, class F>

@@ -102,12 +102,9 @@ bool TryLazyStep(const TileArgs& t, float* row_max, float* row_sum, float* alpha
     _mm512_store_ps(m2 + i0, _mm512_mul_ps(m, _mm512_set1_ps(kLog2e)));
     _mm512_store_ps(sums + i0, _mm512_setzero_ps());
   }
-  const bool masked = t.mask != nullptr, capped = t.softcap > 0.0f;
-  if (masked) {
-    capped ? LazyScores<true, true>(t, mp) : LazyScores<true, false>(t, mp);
-  } else {
-    capped ? LazyScores<false, true>(t, mp) : LazyScores<false, false>(t, mp);
-  }
+  WithSwitches(t, [&](auto capped, auto masked) {
+    LazyScores<decltype(masked)::value, decltype(capped)::value>(t, mp);
+  });
   // Every live lane's sum must be <= the limit (a NaN or inf fails too).
   const __m512 limit = _mm512_set1_ps(kLazySumLimit);
   for (int64_t i0 = 0; i0 < mp; i0 += 16) {

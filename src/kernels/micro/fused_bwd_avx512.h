@@ -15,6 +15,7 @@
 
 #include <cstdint>
 
+#include "src/kernels/micro/blocking.h"
 #include "src/kernels/micro/common_avx512.h"
 #include "src/kernels/micro/fused_avx512.h"
 #include "src/kernels/micro/micro.h"
@@ -126,15 +127,11 @@ void BackwardTileImpl(const BackwardTileArgs& b) {
     _mm512_store_ps(lse2 + i0, _mm512_maskz_mul_ps(keys, l, _mm512_set1_ps(kLog2e)));
     _mm512_store_ps(delta + i0, _mm512_maskz_loadu_ps(live, b.delta + i0));
   }
-  const bool masked = t.mask != nullptr, capped = t.softcap > 0.0f;
-  if (masked) {
-    capped ? Probs<kStored, true, true>(t, mp, lse2, finite, b.deriv)
-           : Probs<kStored, true, false>(t, mp, lse2, finite, b.deriv);
-  } else {
-    capped ? Probs<kStored, false, true>(t, mp, lse2, finite, b.deriv)
-           : Probs<kStored, false, false>(t, mp, lse2, finite, b.deriv);
-  }
-  capped ? Ds<kStored, true>(b, mp, delta) : Ds<kStored, false>(b, mp, delta);
+  WithSwitches(t, [&](auto capped, auto masked) {
+    constexpr bool kCapped = decltype(capped)::value;
+    Probs<kStored, decltype(masked)::value, kCapped>(t, mp, lse2, finite, b.deriv);
+    Ds<kStored, kCapped>(b, mp, delta);
+  });
 }
 
 }  // namespace ringsplash::kernels::micro::avx512::bwd

@@ -17,7 +17,6 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
-#include <type_traits>
 
 #include "src/kernels/micro/blocking.h"
 #include "src/kernels/micro/math_avx2.h"
@@ -119,22 +118,10 @@ inline __m256 Allowed8(const TileArgs& t, int64_t j, int64_t i0) {
 }
 
 // The soft cap and the mask are compile-time switches of the loops below
-// (as in flash-attention's variants and the AVX-512 kernels): with run-time
-// tests, GCC kept the tanh code inline beside each exp and reloaded every
-// constant per vector, and the fused forward tile ran ~5 % slower
+// (WithSwitches, as in the AVX-512 kernels): with run-time tests, GCC kept
+// the tanh code inline beside each exp and reloaded every constant per
+// vector, and the fused forward tile ran ~5 % slower
 // (docs/perf/DESIGN_MEASUREMENTS.md: AVX2 cap and mask as template switches).
-// Calls f(capped, masked) with both as std::bool_constant.
-template <class F>
-RINGSPLASH_INLINE void WithSwitches(const TileArgs& t, F&& f) {
-  const bool capped = t.softcap > 0.0f, masked = t.mask != nullptr;
-  using Yes = std::true_type;
-  using No = std::false_type;
-  if (capped) {
-    masked ? f(Yes(), Yes()) : f(Yes(), No());
-  } else {
-    masked ? f(No(), Yes()) : f(No(), No());
-  }
-}
 
 // Logit of a raw product: x = s * scale, then softcap * tanh(x / softcap)
 // with a cap (the same operations, in the same order, as the portable loops);
