@@ -305,6 +305,26 @@ void BM_ForwardTile(benchmark::State& state) {
   SetFlops(state, 2.0 * tile.keys * tile.queries * tile.d);
 }
 
+// The fused forward tile's exact step: a query's first tile (no reference
+// max yet, so the lazy step is not taken), the state reset each iteration
+// (128 + 128 floats, a few ns of a tile's ~10-50 us). The window rows take
+// it once in every ~5 tiles, a full-mask row once in every S / block_kv.
+void BM_ForwardTileExact(benchmark::State& state) {
+  const auto path = static_cast<KernelPath>(state.range(0));
+  const MicroKernels* mk = KernelsOr(state, path);
+  if (mk == nullptr) return;
+  Tile tile(state.range(2), state.range(1), state.range(3));
+  const float scale = 1.0f / std::sqrt(static_cast<float>(tile.d));
+  const kernels::micro::TileArgs t = tile.Args(scale);
+  for (auto _ : state) {
+    std::fill_n(tile.row_max.data(), tile.row_max.size(), -std::numeric_limits<float>::infinity());
+    std::fill_n(tile.row_sum.data(), tile.row_sum.size(), 0.0f);
+    mk->forward_tile(t, tile.row_max.data(), tile.row_sum.data(), tile.alpha.data());
+    benchmark::ClobberMemory();
+  }
+  SetFlops(state, 2.0 * tile.keys * tile.queries * tile.d);
+}
+
 // The exact two-pass softmax step alone (in place on raw products).
 void BM_SoftmaxColumns(benchmark::State& state) {
   const auto path = static_cast<KernelPath>(state.range(0));
@@ -581,6 +601,7 @@ BENCHMARK(BM_DecodeStep)
 BENCHMARK(BM_GemmPV)->Apply(TileArgsOf);
 BENCHMARK(BM_GemmPVStride)->Arg(144)->Arg(128)->Arg(256)->Arg(1024)->Arg(1040);
 BENCHMARK(BM_ForwardTile)->Apply(TileArgsOf);
+BENCHMARK(BM_ForwardTileExact)->Apply(TileArgsOf);
 BENCHMARK(BM_ForwardTileStride)->Arg(128)->Arg(144)->Arg(256)->Arg(1024);
 BENCHMARK(BM_SoftmaxColumns)->Apply(TileArgsOf);
 BENCHMARK(BM_BackwardTile)->Apply(TileArgsOf);

@@ -14,6 +14,7 @@
 // as the AVX-512 path does; the exact step is the fallback.
 #include <immintrin.h>
 
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -151,28 +152,21 @@ struct ExponentOp {
       : c2(_mm256_set1_ps(t.scale * poly::kLog2e)),
         in(_mm256_set1_ps(kCapped ? t.scale / t.softcap : 0.0f)),
         out(_mm256_set1_ps(t.softcap * poly::kLog2e)) {}
-  RINGSPLASH_INLINE __m256 operator()(__m256 s, __m256 shift2) const {
+  // *th (when given) receives the tanh: the backward's derivative needs it.
+  RINGSPLASH_INLINE __m256 operator()(__m256 s, __m256 shift2, __m256* th = nullptr) const {
     if constexpr (!kCapped) return _mm256_fmsub_ps(s, c2, shift2);
-    return _mm256_fmsub_ps(Tanh256(_mm256_mul_ps(s, in)), out, shift2);
+    const __m256 tanh = Tanh256(_mm256_mul_ps(s, in));
+    if (th != nullptr) *th = tanh;
+    return _mm256_fmsub_ps(tanh, out, shift2);
   }
 };
 
-// The exact online-softmax step (SoftmaxColumnsFn) of the 8-query strip at
-// i0: first pass logits (-inf where masked) and their max, second pass
-// P^T = exp(x - shift) and the lane sums, then the state of the live lanes.
-template <bool kCapped, bool kMasked>
-void SoftmaxStrip(const TileArgs& t, const LogitOp<kCapped>& logit, int64_t i0, float* row_max,
-                  float* row_sum, float* alpha) {
+// The exact step's second pass over the logits of the 8-query strip at i0
+// (t.pt, -inf where masked) whose tile max is vmax: P^T = exp(x - shift) and
+// the lane sums, then the state of the live lanes.
+void ExpPass(const TileArgs& t, int64_t i0, __m256 vmax, float* row_max, float* row_sum,
+             float* alpha) {
   const __m256 neg_inf = _mm256_set1_ps(kNegInf);
-  __m256 vmax = neg_inf;
-  for (int64_t j = 0; j < t.keys; ++j) {
-    float* s = t.pt + j * t.ldp + i0;
-    __m256 th;
-    __m256 x = logit(_mm256_loadu_ps(s), &th);
-    if constexpr (kMasked) x = _mm256_blendv_ps(neg_inf, x, Allowed8(t, j, i0));
-    _mm256_storeu_ps(s, x);
-    vmax = _mm256_max_ps(vmax, x);
-  }
   const __m256i live = FirstLanes(t.queries - i0);
   const __m256 old_max =
       _mm256_blendv_ps(neg_inf, _mm256_maskload_ps(row_max + i0, live), _mm256_castsi256_ps(live));
@@ -193,6 +187,25 @@ void SoftmaxStrip(const TileArgs& t, const LogitOp<kCapped>& logit, int64_t i0, 
   _mm256_maskstore_ps(row_max + i0, live, m_new);
 }
 
+// The exact online-softmax step (SoftmaxColumnsFn) of the 8-query strip at
+// i0: first pass logits (-inf where masked) and their max, second pass
+// P^T = exp(x - shift) and the lane sums, then the state of the live lanes.
+template <bool kCapped, bool kMasked>
+void SoftmaxStrip(const TileArgs& t, const LogitOp<kCapped>& logit, int64_t i0, float* row_max,
+                  float* row_sum, float* alpha) {
+  const __m256 neg_inf = _mm256_set1_ps(kNegInf);
+  __m256 vmax = neg_inf;
+  for (int64_t j = 0; j < t.keys; ++j) {
+    float* s = t.pt + j * t.ldp + i0;
+    __m256 th;
+    __m256 x = logit(_mm256_loadu_ps(s), &th);
+    if constexpr (kMasked) x = _mm256_blendv_ps(neg_inf, x, Allowed8(t, j, i0));
+    _mm256_storeu_ps(s, x);
+    vmax = _mm256_max_ps(vmax, x);
+  }
+  ExpPass(t, i0, vmax, row_max, row_sum, alpha);
+}
+
 void SoftmaxColumns(const TileArgs& t, float* row_max, float* row_sum, float* alpha) {
   WithSwitches(t, [&](auto capped, auto masked) {
     const LogitOp<decltype(capped)::value> logit(t);
@@ -205,43 +218,16 @@ void SoftmaxColumns(const TileArgs& t, float* row_max, float* row_sum, float* al
 }
 
 // Whether the register block of keys [j0, j0 + rows) x the 16 queries from
-// i0 (a multiple of 16: one mask word per key) holds an allowed pair.
+// i0 (a multiple of 16: one mask word per key) holds an allowed pair. The
+// tile products skip blocks without one (written as zeros or -inf, never
+// computed): this keeps the diagonal of causal masks and the edges of
+// sliding windows from costing full tiles.
 inline bool AnyAllowed(const TileArgs& t, int64_t j0, int rows, int64_t i0) {
   if (t.mask == nullptr) return true;
   uint32_t any = 0;
   for (int r = 0; r < rows; ++r) any |= t.mask[(j0 + r) * t.ldm + i0 / kVec];
   return any != 0;
 }
-
-// Tile products C[keys x mp] = A[keys x k] B[k x mp] (A row-major with
-// leading dimension lda, B with t.ldq, C with t.ldp), register block by
-// register block; a block without an allowed pair is written as zeros
-// without being computed (micro.h allows it: every caller masks those
-// outputs). This keeps the diagonal of causal masks and the edges of
-// sliding windows from costing full tiles.
-void MaskedProducts(const TileArgs& t, int64_t k, const float* a, int64_t lda, const float* b,
-                    float* c) {
-  const int64_t mp = RoundUp(t.queries, kVec);
-  for (int64_t i0 = 0; i0 < mp; i0 += kVec) {
-    ForEachRowBlock<kRows>(t.keys, [&](int64_t j0, auto rows) {
-      constexpr int R = decltype(rows)::value;
-      __m256 acc[R][2];
-      RINGSPLASH_UNROLL
-      for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-      if (AnyAllowed(t, j0, R, i0)) {
-        MultiplyBlock<R, ALayout::kRowMajor>(k, a + j0 * lda, lda, 1, b + i0, t.ldq, acc);
-      }
-      RINGSPLASH_UNROLL
-      for (int r = 0; r < R; ++r) {
-        _mm256_storeu_ps(c + (j0 + r) * t.ldp + i0, acc[r][0]);
-        _mm256_storeu_ps(c + (j0 + r) * t.ldp + i0 + 8, acc[r][1]);
-      }
-    });
-  }
-}
-
-// Raw products S^T = K Q^T (keys x mp) into t.pt (0 in skipped blocks).
-void ScoresT(const TileArgs& t) { MaskedProducts(t, t.d, t.k, t.ldk, t.qt, t.pt); }
 
 // The lazy step's products: P^T = 2^(logit(K Q^T) log2 e - m2) straight
 // from the accumulators (0 where masked), one 16-query strip at a time, with
@@ -309,59 +295,152 @@ bool TryLazyStep(const TileArgs& t, float* row_max, float* row_sum, float* alpha
   return true;
 }
 
-void ForwardTile(const TileArgs& t, float* row_max, float* row_sum, float* alpha) {
-  if (TryLazyStep(t, row_max, row_sum, alpha)) return;
-  ScoresT(t);
-  SoftmaxColumns(t, row_max, row_sum, alpha);
-}
-
-// The elementwise pass of BackwardTile over the stored S^T and dP^T:
-// P^T = exp(logit - lse) (0 where masked or lse = -inf) and
-// dS^T = scale P^T (dP^T - delta) [* (1 - tanh^2)], in place.
+// The exact step of ForwardTileFn (a query's first tile, or a failed lazy
+// step), as the AVX-512 path does it: SoftmaxStrip's first pass (logits, -inf
+// where masked or skipped, and their max) fused into the products'
+// epilogue, then ExpPass on each 16-query strip while it sits in L1
+// (keys x 64 bytes). The same operations in the same order as the products
+// then SoftmaxColumns, so the same bits, without storing and reloading the raw
+// products (docs/perf/DESIGN_MEASUREMENTS.md: AVX2 exact step fused).
 template <bool kCapped, bool kMasked>
-void BackwardPass(const BackwardTileArgs& b, const float* lse, const float* delta) {
-  const TileArgs& t = b.t;
-  const int64_t mp = RoundUp(t.queries, kVec);
+void ExactStep(const TileArgs& t, float* row_max, float* row_sum, float* alpha) {
   const LogitOp<kCapped> logit(t);
   const __m256 neg_inf = _mm256_set1_ps(kNegInf);
+  const int64_t mp = RoundUp(t.queries, kVec);
+  for (int64_t i0 = 0; i0 < mp; i0 += kVec) {
+    __m256 vmax[2] = {neg_inf, neg_inf};
+    ForEachRowBlock<kRows>(t.keys, [&](int64_t j0, auto rows) {
+      constexpr int R = decltype(rows)::value;
+      if (kMasked && !AnyAllowed(t, j0, R, i0)) {
+        for (int r = 0; r < R; ++r) {
+          RINGSPLASH_UNROLL
+          for (int v = 0; v < 2; ++v) {
+            _mm256_storeu_ps(t.pt + (j0 + r) * t.ldp + i0 + 8 * v, neg_inf);
+            vmax[v] = _mm256_max_ps(vmax[v], neg_inf);  // as the unfused pass (NaN order)
+          }
+        }
+        return;
+      }
+      __m256 acc[R][2];
+      RINGSPLASH_UNROLL
+      for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+      MultiplyBlock<R, ALayout::kRowMajor>(t.d, t.k + j0 * t.ldk, t.ldk, 1, t.qt + i0, t.ldq, acc);
+      RINGSPLASH_UNROLL
+      for (int r = 0; r < R; ++r) {
+        RINGSPLASH_UNROLL
+        for (int v = 0; v < 2; ++v) {
+          __m256 th;
+          __m256 x = logit(acc[r][v], &th);
+          if constexpr (kMasked) x = _mm256_blendv_ps(neg_inf, x, Allowed8(t, j0 + r, i0 + 8 * v));
+          _mm256_storeu_ps(t.pt + (j0 + r) * t.ldp + i0 + 8 * v, x);
+          vmax[v] = _mm256_max_ps(vmax[v], x);
+        }
+      }
+    });
+    ExpPass(t, i0, vmax[0], row_max, row_sum, alpha);
+    ExpPass(t, i0 + 8, vmax[1], row_max, row_sum, alpha);
+  }
+}
+
+void ForwardTile(const TileArgs& t, float* row_max, float* row_sum, float* alpha) {
+  if (TryLazyStep(t, row_max, row_sum, alpha)) return;
+  WithSwitches(t, [&](auto capped, auto masked) {
+    ExactStep<decltype(capped)::value, decltype(masked)::value>(t, row_max, row_sum, alpha);
+  });
+}
+
+// The fused backward tile (BackwardTileFn), as the AVX-512 path does it:
+// lse is known, so P^T = 2^(x log2 e - lse log2 e) comes straight from the
+// S^T accumulators (0 where masked or lse = -inf), and dS^T = scale P^T
+// (dP^T - delta) [* (1 - tanh^2)] from the dP^T ones, one 16-query strip
+// at a time (its P^T, keys x 64 bytes, stays in L1 between the two). This
+// replaced a separate elementwise pass over both stored products (4-5 % of
+// the backward rows; docs/perf/DESIGN_MEASUREMENTS.md: AVX2 fused backward).
+// lse2, delta and keep are [mp]: lse * log2 e (0 where lse = -inf), delta,
+// and all-ones on the lanes with a finite lse (0 on dead lanes).
+template <bool kCapped, bool kMasked>
+void BackwardProducts(const BackwardTileArgs& b, const float* lse2, const float* delta,
+                      const float* keep) {
+  const TileArgs& t = b.t;
+  const ExponentOp<kCapped> exponent(t);
+  const __m256 scale = _mm256_set1_ps(t.scale);
   const __m256 one = _mm256_set1_ps(1.0f);
-  for (int64_t i0 = 0; i0 < mp; i0 += 8) {
-    const __m256 l = _mm256_loadu_ps(lse + i0);
-    const __m256 keys = _mm256_cmp_ps(l, neg_inf, _CMP_NEQ_OQ);
-    const __m256 shift = _mm256_and_ps(keys, l);
-    const __m256 dl = _mm256_loadu_ps(delta + i0);
-    for (int64_t j = 0; j < t.keys; ++j) {
-      const int64_t o = j * t.ldp + i0;
-      __m256 th = _mm256_setzero_ps();
-      const __m256 x = logit(_mm256_loadu_ps(t.pt + o), &th);
-      __m256 ok = keys;
-      if constexpr (kMasked) ok = _mm256_and_ps(ok, Allowed8(t, j, i0));
-      const __m256 p = _mm256_and_ps(ok, Exp256(_mm256_sub_ps(x, shift)));
-      __m256 ds = _mm256_mul_ps(_mm256_mul_ps(logit.scale, p),
-                                _mm256_sub_ps(_mm256_loadu_ps(b.ds + o), dl));
-      if constexpr (kCapped) ds = _mm256_mul_ps(ds, _mm256_fnmadd_ps(th, th, one));
-      _mm256_storeu_ps(t.pt + o, p);
-      _mm256_storeu_ps(b.ds + o, ds);
-    }
+  const int64_t mp = RoundUp(t.queries, kVec);
+  for (int64_t i0 = 0; i0 < mp; i0 += kVec) {
+    const __m256 shift[2] = {_mm256_loadu_ps(lse2 + i0), _mm256_loadu_ps(lse2 + i0 + 8)};
+    const __m256 live[2] = {_mm256_loadu_ps(keep + i0), _mm256_loadu_ps(keep + i0 + 8)};
+    ForEachRowBlock<kRows>(t.keys, [&](int64_t j0, auto rows) {
+      constexpr int R = decltype(rows)::value;
+      __m256 acc[R][2];
+      RINGSPLASH_UNROLL
+      for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+      if (!AnyAllowed(t, j0, R, i0)) {
+        for (int r = 0; r < R; ++r) {
+          _mm256_storeu_ps(t.pt + (j0 + r) * t.ldp + i0, acc[r][0]);
+          _mm256_storeu_ps(t.pt + (j0 + r) * t.ldp + i0 + 8, acc[r][1]);
+        }
+        return;
+      }
+      MultiplyBlock<R, ALayout::kRowMajor>(t.d, t.k + j0 * t.ldk, t.ldk, 1, t.qt + i0, t.ldq, acc);
+      RINGSPLASH_UNROLL
+      for (int r = 0; r < R; ++r) {
+        RINGSPLASH_UNROLL
+        for (int v = 0; v < 2; ++v) {
+          const int64_t o = (j0 + r) * t.ldp + i0 + 8 * v;
+          __m256 th;
+          const __m256 p = Exp2Raw256(exponent(acc[r][v], shift[v], &th));
+          if constexpr (kCapped) _mm256_storeu_ps(b.deriv + o, _mm256_fnmadd_ps(th, th, one));
+          __m256 ok = live[v];
+          if constexpr (kMasked) ok = _mm256_and_ps(ok, Allowed8(t, j0 + r, i0 + 8 * v));
+          _mm256_storeu_ps(t.pt + o, _mm256_and_ps(ok, p));
+        }
+      }
+    });
+    const __m256 dl[2] = {_mm256_loadu_ps(delta + i0), _mm256_loadu_ps(delta + i0 + 8)};
+    ForEachRowBlock<kRows>(t.keys, [&](int64_t j0, auto rows) {
+      constexpr int R = decltype(rows)::value;
+      __m256 acc[R][2];
+      RINGSPLASH_UNROLL
+      for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+      if (!AnyAllowed(t, j0, R, i0)) {
+        for (int r = 0; r < R; ++r) {
+          _mm256_storeu_ps(b.ds + (j0 + r) * t.ldp + i0, acc[r][0]);
+          _mm256_storeu_ps(b.ds + (j0 + r) * t.ldp + i0 + 8, acc[r][1]);
+        }
+        return;
+      }
+      MultiplyBlock<R, ALayout::kRowMajor>(b.dv, b.v + j0 * b.ldv, b.ldv, 1, b.dot + i0, t.ldq,
+                                           acc);
+      RINGSPLASH_UNROLL
+      for (int r = 0; r < R; ++r) {
+        RINGSPLASH_UNROLL
+        for (int v = 0; v < 2; ++v) {
+          const int64_t o = (j0 + r) * t.ldp + i0 + 8 * v;
+          const __m256 sp = _mm256_mul_ps(scale, _mm256_loadu_ps(t.pt + o));
+          __m256 ds = _mm256_mul_ps(sp, _mm256_sub_ps(acc[r][v], dl[v]));
+          if constexpr (kCapped) ds = _mm256_mul_ps(ds, _mm256_loadu_ps(b.deriv + o));
+          _mm256_storeu_ps(b.ds + o, ds);
+        }
+      }
+    });
   }
 }
 
 void BackwardTile(const BackwardTileArgs& b) {
   const TileArgs& t = b.t;
   const int64_t mp = RoundUp(t.queries, kVec);
-  ScoresT(t);
-  // dP^T = V dO^T, into ds until the elementwise pass below overwrites it.
-  MaskedProducts(t, b.dv, b.v, b.ldv, b.dot, b.ds);
-  // Per-lane lse and delta over all mp lanes: dead lanes (and queries with
-  // no allowed key, lse = -inf) get P = 0 through the `keys` lanes below.
-  float* lse = t.scratch;
+  float* lse2 = t.scratch;
   float* delta = t.scratch + mp;
+  float* keep = t.scratch + 2 * mp;
+  // Dead lanes and queries with no allowed key (lse = -inf) get P = 0.
   for (int64_t i = 0; i < mp; ++i) {
-    lse[i] = i < t.queries ? b.lse[i] : kNegInf;
+    const bool finite = i < t.queries && b.lse[i] != kNegInf;
+    lse2[i] = finite ? b.lse[i] * poly::kLog2e : 0.0f;
     delta[i] = i < t.queries ? b.delta[i] : 0.0f;
+    keep[i] = std::bit_cast<float>(finite ? ~0u : 0u);
   }
   WithSwitches(t, [&](auto capped, auto masked) {
-    BackwardPass<decltype(capped)::value, decltype(masked)::value>(b, lse, delta);
+    BackwardProducts<decltype(capped)::value, decltype(masked)::value>(b, lse2, delta, keep);
   });
 }
 
