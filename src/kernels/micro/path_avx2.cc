@@ -229,6 +229,33 @@ inline bool AnyAllowed(const TileArgs& t, int64_t j0, int rows, int64_t i0) {
   return any != 0;
 }
 
+// One 16-query strip (from i0) of the tile products C[keys x 16] = A[keys x
+// k] B[k x 16] (A row-major with leading dimension lda, B from b with
+// t.ldq), register block by register block in key order, each vector of C
+// handed straight from the accumulators to out(j, v, c) (key j, lanes
+// i0 + 8 v to i0 + 8 v + 7). With kMasked, a block without an allowed pair
+// is not computed: skipped(j) is called for each of its keys instead.
+template <bool kMasked, class Out, class Skipped>
+RINGSPLASH_INLINE void StripProducts(const TileArgs& t, int64_t i0, int64_t k, const float* a,
+                                     int64_t lda, const float* b, Out&& out, Skipped&& skipped) {
+  ForEachRowBlock<kRows>(t.keys, [&](int64_t j0, auto rows) {
+    constexpr int R = decltype(rows)::value;
+    if (kMasked && !AnyAllowed(t, j0, R, i0)) {
+      for (int r = 0; r < R; ++r) skipped(j0 + r);
+      return;
+    }
+    __m256 acc[R][2];
+    RINGSPLASH_UNROLL
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    MultiplyBlock<R, ALayout::kRowMajor>(k, a + j0 * lda, lda, 1, b + i0, t.ldq, acc);
+    RINGSPLASH_UNROLL
+    for (int r = 0; r < R; ++r) {
+      RINGSPLASH_UNROLL
+      for (int v = 0; v < 2; ++v) out(j0 + r, v, acc[r][v]);
+    }
+  });
+}
+
 // The lazy step's products: P^T = 2^(logit(K Q^T) log2 e - m2) straight
 // from the accumulators (0 where masked), one 16-query strip at a time, with
 // the strip's lane sums kept in registers and stored to sums[mp] at its end.
@@ -240,30 +267,18 @@ void LazyScores(const TileArgs& t, const float* m2, float* sums) {
   for (int64_t i0 = 0; i0 < mp; i0 += kVec) {
     const __m256 ref[2] = {_mm256_loadu_ps(m2 + i0), _mm256_loadu_ps(m2 + i0 + 8)};
     __m256 sum[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
-    ForEachRowBlock<kRows>(t.keys, [&](int64_t j0, auto rows) {
-      constexpr int R = decltype(rows)::value;
-      if (kMasked && !AnyAllowed(t, j0, R, i0)) {
-        for (int r = 0; r < R; ++r) {
-          _mm256_storeu_ps(t.pt + (j0 + r) * t.ldp + i0, _mm256_setzero_ps());
-          _mm256_storeu_ps(t.pt + (j0 + r) * t.ldp + i0 + 8, _mm256_setzero_ps());
-        }
-        return;
-      }
-      __m256 acc[R][2];
-      RINGSPLASH_UNROLL
-      for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-      MultiplyBlock<R, ALayout::kRowMajor>(t.d, t.k + j0 * t.ldk, t.ldk, 1, t.qt + i0, t.ldq, acc);
-      RINGSPLASH_UNROLL
-      for (int r = 0; r < R; ++r) {
-        RINGSPLASH_UNROLL
-        for (int v = 0; v < 2; ++v) {
-          __m256 p = Exp2Raw256(exponent(acc[r][v], ref[v]));
-          if constexpr (kMasked) p = _mm256_and_ps(p, Allowed8(t, j0 + r, i0 + 8 * v));
-          _mm256_storeu_ps(t.pt + (j0 + r) * t.ldp + i0 + 8 * v, p);
+    StripProducts<kMasked>(
+        t, i0, t.d, t.k, t.ldk, t.qt,
+        [&](int64_t j, int v, __m256 c) RINGSPLASH_INLINE_LAMBDA {
+          __m256 p = Exp2Raw256(exponent(c, ref[v]));
+          if constexpr (kMasked) p = _mm256_and_ps(p, Allowed8(t, j, i0 + 8 * v));
+          _mm256_storeu_ps(t.pt + j * t.ldp + i0 + 8 * v, p);
           sum[v] = _mm256_add_ps(sum[v], p);
-        }
-      }
-    });
+        },
+        [&](int64_t j) RINGSPLASH_INLINE_LAMBDA {
+          _mm256_storeu_ps(t.pt + j * t.ldp + i0, _mm256_setzero_ps());
+          _mm256_storeu_ps(t.pt + j * t.ldp + i0 + 8, _mm256_setzero_ps());
+        });
     _mm256_storeu_ps(sums + i0, sum[0]);
     _mm256_storeu_ps(sums + i0 + 8, sum[1]);
   }
@@ -309,34 +324,22 @@ void ExactStep(const TileArgs& t, float* row_max, float* row_sum, float* alpha) 
   const int64_t mp = RoundUp(t.queries, kVec);
   for (int64_t i0 = 0; i0 < mp; i0 += kVec) {
     __m256 vmax[2] = {neg_inf, neg_inf};
-    ForEachRowBlock<kRows>(t.keys, [&](int64_t j0, auto rows) {
-      constexpr int R = decltype(rows)::value;
-      if (kMasked && !AnyAllowed(t, j0, R, i0)) {
-        for (int r = 0; r < R; ++r) {
+    StripProducts<kMasked>(
+        t, i0, t.d, t.k, t.ldk, t.qt,
+        [&](int64_t j, int v, __m256 c) RINGSPLASH_INLINE_LAMBDA {
+          __m256 th;
+          __m256 x = logit(c, &th);
+          if constexpr (kMasked) x = _mm256_blendv_ps(neg_inf, x, Allowed8(t, j, i0 + 8 * v));
+          _mm256_storeu_ps(t.pt + j * t.ldp + i0 + 8 * v, x);
+          vmax[v] = _mm256_max_ps(vmax[v], x);
+        },
+        [&](int64_t j) RINGSPLASH_INLINE_LAMBDA {
           RINGSPLASH_UNROLL
           for (int v = 0; v < 2; ++v) {
-            _mm256_storeu_ps(t.pt + (j0 + r) * t.ldp + i0 + 8 * v, neg_inf);
+            _mm256_storeu_ps(t.pt + j * t.ldp + i0 + 8 * v, neg_inf);
             vmax[v] = _mm256_max_ps(vmax[v], neg_inf);  // as the unfused pass (NaN order)
           }
-        }
-        return;
-      }
-      __m256 acc[R][2];
-      RINGSPLASH_UNROLL
-      for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-      MultiplyBlock<R, ALayout::kRowMajor>(t.d, t.k + j0 * t.ldk, t.ldk, 1, t.qt + i0, t.ldq, acc);
-      RINGSPLASH_UNROLL
-      for (int r = 0; r < R; ++r) {
-        RINGSPLASH_UNROLL
-        for (int v = 0; v < 2; ++v) {
-          __m256 th;
-          __m256 x = logit(acc[r][v], &th);
-          if constexpr (kMasked) x = _mm256_blendv_ps(neg_inf, x, Allowed8(t, j0 + r, i0 + 8 * v));
-          _mm256_storeu_ps(t.pt + (j0 + r) * t.ldp + i0 + 8 * v, x);
-          vmax[v] = _mm256_max_ps(vmax[v], x);
-        }
-      }
-    });
+        });
     ExpPass(t, i0, vmax[0], row_max, row_sum, alpha);
     ExpPass(t, i0 + 8, vmax[1], row_max, row_sum, alpha);
   }
@@ -369,60 +372,35 @@ void BackwardProducts(const BackwardTileArgs& b, const float* lse2, const float*
   for (int64_t i0 = 0; i0 < mp; i0 += kVec) {
     const __m256 shift[2] = {_mm256_loadu_ps(lse2 + i0), _mm256_loadu_ps(lse2 + i0 + 8)};
     const __m256 live[2] = {_mm256_loadu_ps(keep + i0), _mm256_loadu_ps(keep + i0 + 8)};
-    ForEachRowBlock<kRows>(t.keys, [&](int64_t j0, auto rows) {
-      constexpr int R = decltype(rows)::value;
-      __m256 acc[R][2];
-      RINGSPLASH_UNROLL
-      for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-      if (!AnyAllowed(t, j0, R, i0)) {
-        for (int r = 0; r < R; ++r) {
-          _mm256_storeu_ps(t.pt + (j0 + r) * t.ldp + i0, acc[r][0]);
-          _mm256_storeu_ps(t.pt + (j0 + r) * t.ldp + i0 + 8, acc[r][1]);
-        }
-        return;
-      }
-      MultiplyBlock<R, ALayout::kRowMajor>(t.d, t.k + j0 * t.ldk, t.ldk, 1, t.qt + i0, t.ldq, acc);
-      RINGSPLASH_UNROLL
-      for (int r = 0; r < R; ++r) {
-        RINGSPLASH_UNROLL
-        for (int v = 0; v < 2; ++v) {
-          const int64_t o = (j0 + r) * t.ldp + i0 + 8 * v;
+    StripProducts<kMasked>(
+        t, i0, t.d, t.k, t.ldk, t.qt,
+        [&](int64_t j, int v, __m256 c) RINGSPLASH_INLINE_LAMBDA {
+          const int64_t o = j * t.ldp + i0 + 8 * v;
           __m256 th;
-          const __m256 p = Exp2Raw256(exponent(acc[r][v], shift[v], &th));
+          const __m256 p = Exp2Raw256(exponent(c, shift[v], &th));
           if constexpr (kCapped) _mm256_storeu_ps(b.deriv + o, _mm256_fnmadd_ps(th, th, one));
           __m256 ok = live[v];
-          if constexpr (kMasked) ok = _mm256_and_ps(ok, Allowed8(t, j0 + r, i0 + 8 * v));
+          if constexpr (kMasked) ok = _mm256_and_ps(ok, Allowed8(t, j, i0 + 8 * v));
           _mm256_storeu_ps(t.pt + o, _mm256_and_ps(ok, p));
-        }
-      }
-    });
+        },
+        [&](int64_t j) RINGSPLASH_INLINE_LAMBDA {
+          _mm256_storeu_ps(t.pt + j * t.ldp + i0, _mm256_setzero_ps());
+          _mm256_storeu_ps(t.pt + j * t.ldp + i0 + 8, _mm256_setzero_ps());
+        });
     const __m256 dl[2] = {_mm256_loadu_ps(delta + i0), _mm256_loadu_ps(delta + i0 + 8)};
-    ForEachRowBlock<kRows>(t.keys, [&](int64_t j0, auto rows) {
-      constexpr int R = decltype(rows)::value;
-      __m256 acc[R][2];
-      RINGSPLASH_UNROLL
-      for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-      if (!AnyAllowed(t, j0, R, i0)) {
-        for (int r = 0; r < R; ++r) {
-          _mm256_storeu_ps(b.ds + (j0 + r) * t.ldp + i0, acc[r][0]);
-          _mm256_storeu_ps(b.ds + (j0 + r) * t.ldp + i0 + 8, acc[r][1]);
-        }
-        return;
-      }
-      MultiplyBlock<R, ALayout::kRowMajor>(b.dv, b.v + j0 * b.ldv, b.ldv, 1, b.dot + i0, t.ldq,
-                                           acc);
-      RINGSPLASH_UNROLL
-      for (int r = 0; r < R; ++r) {
-        RINGSPLASH_UNROLL
-        for (int v = 0; v < 2; ++v) {
-          const int64_t o = (j0 + r) * t.ldp + i0 + 8 * v;
+    StripProducts<kMasked>(
+        t, i0, b.dv, b.v, b.ldv, b.dot,
+        [&](int64_t j, int v, __m256 c) RINGSPLASH_INLINE_LAMBDA {
+          const int64_t o = j * t.ldp + i0 + 8 * v;
           const __m256 sp = _mm256_mul_ps(scale, _mm256_loadu_ps(t.pt + o));
-          __m256 ds = _mm256_mul_ps(sp, _mm256_sub_ps(acc[r][v], dl[v]));
+          __m256 ds = _mm256_mul_ps(sp, _mm256_sub_ps(c, dl[v]));
           if constexpr (kCapped) ds = _mm256_mul_ps(ds, _mm256_loadu_ps(b.deriv + o));
           _mm256_storeu_ps(b.ds + o, ds);
-        }
-      }
-    });
+        },
+        [&](int64_t j) RINGSPLASH_INLINE_LAMBDA {
+          _mm256_storeu_ps(b.ds + j * t.ldp + i0, _mm256_setzero_ps());
+          _mm256_storeu_ps(b.ds + j * t.ldp + i0 + 8, _mm256_setzero_ps());
+        });
   }
 }
 
