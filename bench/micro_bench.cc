@@ -307,7 +307,7 @@ void BM_ForwardTile(benchmark::State& state) {
 
 // The fused forward tile's exact step: a query's first tile (no reference
 // max yet, so the lazy step is not taken), the state reset each iteration
-// (128 + 128 floats, a few ns of a tile's ~10-50 us). The window rows take
+// (two rows of at most 144 floats: a few ns of a tile's ~10-50 us). The window rows take
 // it once in every ~5 tiles, a full-mask row once in every S / block_kv.
 void BM_ForwardTileExact(benchmark::State& state) {
   const auto path = static_cast<KernelPath>(state.range(0));

@@ -7,11 +7,14 @@
 // accumulators (two 8-lane halves of a kVec-wide column strip); per step p
 // the strip's two B vectors are loaded once and each A(i, p) is broadcast:
 // 12 FMAs per 2 loads + 6 broadcasts, 15 of the 16 ymm registers.
-// Tiles (micro.h, transposed layout): S^T = K Q^T by that GEMM, then the
-// softmax work in passes over each 8-query strip while it sits in L1. After
-// a query's first tile the forward takes the lazy step of micro.h (exps
-// against the reference max fused into the products, one pass, no max),
-// as the AVX-512 path does; the exact step is the fallback.
+// Tiles (micro.h, transposed layout): S^T = K Q^T by that GEMM, one
+// 16-query strip at a time (StripProducts), the softmax work in the
+// products' epilogue, as on AVX-512. After a query's first tile the forward
+// takes the lazy step of micro.h (exps against the reference max straight
+// from the accumulators, one pass, no max); the exact step (first tile, or
+// fallback) takes the logits and their max there and its exps in a second
+// pass over the strip while it sits in L1. The backward's P^T and dS^T come
+// from the S^T and dP^T accumulators (lse is known).
 #include <immintrin.h>
 
 #include <bit>
@@ -161,6 +164,18 @@ struct ExponentOp {
   }
 };
 
+// The logits of raw products c for key j and the 8 queries from lane0, -inf
+// where masked: the exact step's first pass, on stored products
+// (SoftmaxStrip) or on the accumulators (ExactStep).
+template <bool kCapped, bool kMasked>
+RINGSPLASH_INLINE __m256 MaskedLogit(const TileArgs& t, const LogitOp<kCapped>& logit, __m256 c,
+                                     int64_t j, int64_t lane0) {
+  __m256 th;
+  const __m256 x = logit(c, &th);
+  if constexpr (!kMasked) return x;
+  return _mm256_blendv_ps(_mm256_set1_ps(kNegInf), x, Allowed8(t, j, lane0));
+}
+
 // The exact step's second pass over the logits of the 8-query strip at i0
 // (t.pt, -inf where masked) whose tile max is vmax: P^T = exp(x - shift) and
 // the lane sums, then the state of the live lanes.
@@ -197,9 +212,7 @@ void SoftmaxStrip(const TileArgs& t, const LogitOp<kCapped>& logit, int64_t i0, 
   __m256 vmax = neg_inf;
   for (int64_t j = 0; j < t.keys; ++j) {
     float* s = t.pt + j * t.ldp + i0;
-    __m256 th;
-    __m256 x = logit(_mm256_loadu_ps(s), &th);
-    if constexpr (kMasked) x = _mm256_blendv_ps(neg_inf, x, Allowed8(t, j, i0));
+    const __m256 x = MaskedLogit<kCapped, kMasked>(t, logit, _mm256_loadu_ps(s), j, i0);
     _mm256_storeu_ps(s, x);
     vmax = _mm256_max_ps(vmax, x);
   }
@@ -227,6 +240,12 @@ inline bool AnyAllowed(const TileArgs& t, int64_t j0, int rows, int64_t i0) {
   uint32_t any = 0;
   for (int r = 0; r < rows; ++r) any |= t.mask[(j0 + r) * t.ldm + i0 / kVec];
   return any != 0;
+}
+
+// The 16 lanes of a skipped block's row as zeros.
+RINGSPLASH_INLINE void ZeroRow(float* row) {
+  _mm256_storeu_ps(row, _mm256_setzero_ps());
+  _mm256_storeu_ps(row + 8, _mm256_setzero_ps());
 }
 
 // One 16-query strip (from i0) of the tile products C[keys x 16] = A[keys x
@@ -275,10 +294,7 @@ void LazyScores(const TileArgs& t, const float* m2, float* sums) {
           _mm256_storeu_ps(t.pt + j * t.ldp + i0 + 8 * v, p);
           sum[v] = _mm256_add_ps(sum[v], p);
         },
-        [&](int64_t j) RINGSPLASH_INLINE_LAMBDA {
-          _mm256_storeu_ps(t.pt + j * t.ldp + i0, _mm256_setzero_ps());
-          _mm256_storeu_ps(t.pt + j * t.ldp + i0 + 8, _mm256_setzero_ps());
-        });
+        [&](int64_t j) RINGSPLASH_INLINE_LAMBDA { ZeroRow(t.pt + j * t.ldp + i0); });
     _mm256_storeu_ps(sums + i0, sum[0]);
     _mm256_storeu_ps(sums + i0 + 8, sum[1]);
   }
@@ -313,10 +329,11 @@ bool TryLazyStep(const TileArgs& t, float* row_max, float* row_sum, float* alpha
 // The exact step of ForwardTileFn (a query's first tile, or a failed lazy
 // step), as the AVX-512 path does it: SoftmaxStrip's first pass (logits, -inf
 // where masked or skipped, and their max) fused into the products'
-// epilogue, then ExpPass on each 16-query strip while it sits in L1
-// (keys x 64 bytes). The same operations in the same order as the products
-// then SoftmaxColumns, so the same bits, without storing and reloading the raw
-// products (docs/perf/DESIGN_MEASUREMENTS.md: AVX2 exact step fused).
+// epilogue, then ExpPass on each 8-lane half of a 16-query strip while the
+// strip (keys x 64 bytes) sits in L1. The same operations in the same order
+// as the products then SoftmaxColumns, so the same bits, without storing
+// and reloading the raw products (docs/perf/DESIGN_MEASUREMENTS.md: AVX2
+// exact step fused).
 template <bool kCapped, bool kMasked>
 void ExactStep(const TileArgs& t, float* row_max, float* row_sum, float* alpha) {
   const LogitOp<kCapped> logit(t);
@@ -327,9 +344,7 @@ void ExactStep(const TileArgs& t, float* row_max, float* row_sum, float* alpha) 
     StripProducts<kMasked>(
         t, i0, t.d, t.k, t.ldk, t.qt,
         [&](int64_t j, int v, __m256 c) RINGSPLASH_INLINE_LAMBDA {
-          __m256 th;
-          __m256 x = logit(c, &th);
-          if constexpr (kMasked) x = _mm256_blendv_ps(neg_inf, x, Allowed8(t, j, i0 + 8 * v));
+          const __m256 x = MaskedLogit<kCapped, kMasked>(t, logit, c, j, i0 + 8 * v);
           _mm256_storeu_ps(t.pt + j * t.ldp + i0 + 8 * v, x);
           vmax[v] = _mm256_max_ps(vmax[v], x);
         },
@@ -360,7 +375,7 @@ void ForwardTile(const TileArgs& t, float* row_max, float* row_sum, float* alpha
 // replaced a separate elementwise pass over both stored products (4-5 % of
 // the backward rows; docs/perf/DESIGN_MEASUREMENTS.md: AVX2 fused backward).
 // lse2, delta and keep are [mp]: lse * log2 e (0 where lse = -inf), delta,
-// and all-ones on the lanes with a finite lse (0 on dead lanes).
+// and all-ones on the lanes with lse > -inf (0 on dead lanes and NaN).
 template <bool kCapped, bool kMasked>
 void BackwardProducts(const BackwardTileArgs& b, const float* lse2, const float* delta,
                       const float* keep) {
@@ -383,10 +398,7 @@ void BackwardProducts(const BackwardTileArgs& b, const float* lse2, const float*
           if constexpr (kMasked) ok = _mm256_and_ps(ok, Allowed8(t, j, i0 + 8 * v));
           _mm256_storeu_ps(t.pt + o, _mm256_and_ps(ok, p));
         },
-        [&](int64_t j) RINGSPLASH_INLINE_LAMBDA {
-          _mm256_storeu_ps(t.pt + j * t.ldp + i0, _mm256_setzero_ps());
-          _mm256_storeu_ps(t.pt + j * t.ldp + i0 + 8, _mm256_setzero_ps());
-        });
+        [&](int64_t j) RINGSPLASH_INLINE_LAMBDA { ZeroRow(t.pt + j * t.ldp + i0); });
     const __m256 dl[2] = {_mm256_loadu_ps(delta + i0), _mm256_loadu_ps(delta + i0 + 8)};
     StripProducts<kMasked>(
         t, i0, b.dv, b.v, b.ldv, b.dot,
@@ -397,10 +409,7 @@ void BackwardProducts(const BackwardTileArgs& b, const float* lse2, const float*
           if constexpr (kCapped) ds = _mm256_mul_ps(ds, _mm256_loadu_ps(b.deriv + o));
           _mm256_storeu_ps(b.ds + o, ds);
         },
-        [&](int64_t j) RINGSPLASH_INLINE_LAMBDA {
-          _mm256_storeu_ps(b.ds + j * t.ldp + i0, _mm256_setzero_ps());
-          _mm256_storeu_ps(b.ds + j * t.ldp + i0 + 8, _mm256_setzero_ps());
-        });
+        [&](int64_t j) RINGSPLASH_INLINE_LAMBDA { ZeroRow(b.ds + j * t.ldp + i0); });
   }
 }
 
@@ -412,10 +421,11 @@ void BackwardTile(const BackwardTileArgs& b) {
   float* keep = t.scratch + 2 * mp;
   // Dead lanes and queries with no allowed key (lse = -inf) get P = 0.
   for (int64_t i = 0; i < mp; ++i) {
-    const bool finite = i < t.queries && b.lse[i] != kNegInf;
-    lse2[i] = finite ? b.lse[i] * poly::kLog2e : 0.0f;
+    // As the unfused pass's ordered compare: a NaN lse gets P = 0 too.
+    const bool keys = i < t.queries && b.lse[i] > kNegInf;
+    lse2[i] = keys ? b.lse[i] * poly::kLog2e : 0.0f;
     delta[i] = i < t.queries ? b.delta[i] : 0.0f;
-    keep[i] = std::bit_cast<float>(finite ? ~0u : 0u);
+    keep[i] = std::bit_cast<float>(keys ? ~0u : 0u);
   }
   WithSwitches(t, [&](auto capped, auto masked) {
     BackwardProducts<decltype(capped)::value, decltype(masked)::value>(b, lse2, delta, keep);
