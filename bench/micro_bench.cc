@@ -289,41 +289,33 @@ void BM_ForwardTileStride(benchmark::State& state) {
   SetFlops(state, 2.0 * tile.keys * tile.queries * tile.d);
 }
 
-// The fused forward tile (scores + lazy online softmax), steady state.
-void BM_ForwardTile(benchmark::State& state) {
+// The fused forward tile (scores + online softmax). steady: the state's
+// maxima are the tile's own, so the lazy step runs; otherwise a query's
+// first tile (no reference max yet): the exact step, the state reset each
+// iteration (two rows of at most 144 floats: a few ns of a tile's ~10-50
+// us). A window row takes the exact step on one tile in ~5, a full-mask row
+// on one in S / block_kv.
+void ForwardTileBench(benchmark::State& state, bool steady) {
   const auto path = static_cast<KernelPath>(state.range(0));
   const MicroKernels* mk = KernelsOr(state, path);
   if (mk == nullptr) return;
   Tile tile(state.range(2), state.range(1), state.range(3));
   const float scale = 1.0f / std::sqrt(static_cast<float>(tile.d));
-  tile.SteadyState(*mk, scale);
+  if (steady) tile.SteadyState(*mk, scale);
   const kernels::micro::TileArgs t = tile.Args(scale);
   for (auto _ : state) {
+    if (!steady) {
+      std::fill_n(tile.row_max.data(), tile.row_max.size(),
+                  -std::numeric_limits<float>::infinity());
+      std::fill_n(tile.row_sum.data(), tile.row_sum.size(), 0.0f);
+    }
     mk->forward_tile(t, tile.row_max.data(), tile.row_sum.data(), tile.alpha.data());
     benchmark::ClobberMemory();
   }
   SetFlops(state, 2.0 * tile.keys * tile.queries * tile.d);
 }
-
-// The fused forward tile's exact step: a query's first tile (no reference
-// max yet, so the lazy step is not taken), the state reset each iteration
-// (two rows of at most 144 floats: a few ns of a tile's ~10-50 us). The window rows take
-// it once in every ~5 tiles, a full-mask row once in every S / block_kv.
-void BM_ForwardTileExact(benchmark::State& state) {
-  const auto path = static_cast<KernelPath>(state.range(0));
-  const MicroKernels* mk = KernelsOr(state, path);
-  if (mk == nullptr) return;
-  Tile tile(state.range(2), state.range(1), state.range(3));
-  const float scale = 1.0f / std::sqrt(static_cast<float>(tile.d));
-  const kernels::micro::TileArgs t = tile.Args(scale);
-  for (auto _ : state) {
-    std::fill_n(tile.row_max.data(), tile.row_max.size(), -std::numeric_limits<float>::infinity());
-    std::fill_n(tile.row_sum.data(), tile.row_sum.size(), 0.0f);
-    mk->forward_tile(t, tile.row_max.data(), tile.row_sum.data(), tile.alpha.data());
-    benchmark::ClobberMemory();
-  }
-  SetFlops(state, 2.0 * tile.keys * tile.queries * tile.d);
-}
+void BM_ForwardTile(benchmark::State& state) { ForwardTileBench(state, /*steady=*/true); }
+void BM_ForwardTileExact(benchmark::State& state) { ForwardTileBench(state, /*steady=*/false); }
 
 // The exact two-pass softmax step alone (in place on raw products).
 void BM_SoftmaxColumns(benchmark::State& state) {

@@ -231,21 +231,21 @@ void SoftmaxColumns(const TileArgs& t, float* row_max, float* row_sum, float* al
 }
 
 // Whether the register block of keys [j0, j0 + rows) x the 16 queries from
-// i0 (a multiple of 16: one mask word per key) holds an allowed pair. The
-// tile products skip blocks without one (written as zeros or -inf, never
-// computed): this keeps the diagonal of causal masks and the edges of
-// sliding windows from costing full tiles.
+// i0 (a multiple of 16: one mask word per key) holds an allowed pair; t.mask
+// is set. The tile products skip blocks without one (written as zeros or
+// -inf, never computed): this keeps the diagonal of causal masks and the
+// edges of sliding windows from costing full tiles.
 inline bool AnyAllowed(const TileArgs& t, int64_t j0, int rows, int64_t i0) {
-  if (t.mask == nullptr) return true;
   uint32_t any = 0;
   for (int r = 0; r < rows; ++r) any |= t.mask[(j0 + r) * t.ldm + i0 / kVec];
   return any != 0;
 }
 
-// The 16 lanes of a skipped block's row as zeros.
-RINGSPLASH_INLINE void ZeroRow(float* row) {
-  _mm256_storeu_ps(row, _mm256_setzero_ps());
-  _mm256_storeu_ps(row + 8, _mm256_setzero_ps());
+// The 16 lanes of a skipped block's row set to `value` (0, or -inf for
+// logits).
+RINGSPLASH_INLINE void FillRow(float* row, __m256 value) {
+  _mm256_storeu_ps(row, value);
+  _mm256_storeu_ps(row + 8, value);
 }
 
 // One 16-query strip (from i0) of the tile products C[keys x 16] = A[keys x
@@ -294,7 +294,8 @@ void LazyScores(const TileArgs& t, const float* m2, float* sums) {
           _mm256_storeu_ps(t.pt + j * t.ldp + i0 + 8 * v, p);
           sum[v] = _mm256_add_ps(sum[v], p);
         },
-        [&](int64_t j) RINGSPLASH_INLINE_LAMBDA { ZeroRow(t.pt + j * t.ldp + i0); });
+        [&](int64_t j)
+            RINGSPLASH_INLINE_LAMBDA { FillRow(t.pt + j * t.ldp + i0, _mm256_setzero_ps()); });
     _mm256_storeu_ps(sums + i0, sum[0]);
     _mm256_storeu_ps(sums + i0 + 8, sum[1]);
   }
@@ -349,11 +350,11 @@ void ExactStep(const TileArgs& t, float* row_max, float* row_sum, float* alpha) 
           vmax[v] = _mm256_max_ps(vmax[v], x);
         },
         [&](int64_t j) RINGSPLASH_INLINE_LAMBDA {
-          RINGSPLASH_UNROLL
-          for (int v = 0; v < 2; ++v) {
-            _mm256_storeu_ps(t.pt + j * t.ldp + i0 + 8 * v, neg_inf);
-            vmax[v] = _mm256_max_ps(vmax[v], neg_inf);  // as the unfused pass (NaN order)
-          }
+          FillRow(t.pt + j * t.ldp + i0, neg_inf);
+          // As the unfused pass, which took the max of these -inf too (a
+          // NaN in vmax is dropped in the same order).
+          vmax[0] = _mm256_max_ps(vmax[0], neg_inf);
+          vmax[1] = _mm256_max_ps(vmax[1], neg_inf);
         });
     ExpPass(t, i0, vmax[0], row_max, row_sum, alpha);
     ExpPass(t, i0 + 8, vmax[1], row_max, row_sum, alpha);
@@ -398,7 +399,8 @@ void BackwardProducts(const BackwardTileArgs& b, const float* lse2, const float*
           if constexpr (kMasked) ok = _mm256_and_ps(ok, Allowed8(t, j, i0 + 8 * v));
           _mm256_storeu_ps(t.pt + o, _mm256_and_ps(ok, p));
         },
-        [&](int64_t j) RINGSPLASH_INLINE_LAMBDA { ZeroRow(t.pt + j * t.ldp + i0); });
+        [&](int64_t j)
+            RINGSPLASH_INLINE_LAMBDA { FillRow(t.pt + j * t.ldp + i0, _mm256_setzero_ps()); });
     const __m256 dl[2] = {_mm256_loadu_ps(delta + i0), _mm256_loadu_ps(delta + i0 + 8)};
     StripProducts<kMasked>(
         t, i0, b.dv, b.v, b.ldv, b.dot,
@@ -409,7 +411,8 @@ void BackwardProducts(const BackwardTileArgs& b, const float* lse2, const float*
           if constexpr (kCapped) ds = _mm256_mul_ps(ds, _mm256_loadu_ps(b.deriv + o));
           _mm256_storeu_ps(b.ds + o, ds);
         },
-        [&](int64_t j) RINGSPLASH_INLINE_LAMBDA { ZeroRow(b.ds + j * t.ldp + i0); });
+        [&](int64_t j)
+            RINGSPLASH_INLINE_LAMBDA { FillRow(b.ds + j * t.ldp + i0, _mm256_setzero_ps()); });
   }
 }
 
