@@ -1,12 +1,14 @@
 // Tests of kernels::ThreadPool: every task runs exactly once on a valid
 // worker, exceptions propagate after the job ends, the pool survives many
-// calls, concurrent callers and nested calls, and shuts down cleanly.
+// calls, concurrent callers and nested calls, reaches polling and sleeping
+// workers alike, and shuts down cleanly.
 #include "src/kernels/thread_pool.h"
 
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <stdexcept>
 #include <thread>
 #include <vector>
@@ -124,6 +126,32 @@ TEST(ThreadPoolTest, NestedCallRunsInlineWithoutDeadlock) {
     });
   });
   for (auto& r : runs) EXPECT_EQ(r.load(), 1);
+}
+
+// Every worker joins every job, whether it was still polling for the next
+// one (jobs back to back) or had gone to sleep on the pool's condition
+// variable (idle for longer than its poll, ~100 us). The job's tasks wait
+// for one another, so each worker must take one: a worker that missed the
+// job would hang it (ctest's timeout then fails the test; so would a lost
+// wake-up, since ParallelFor waits for every worker).
+TEST(ThreadPoolTest, PollingAndSleepingWorkersJoinEveryJob) {
+  constexpr int kThreads = 3;
+  ThreadPool pool(kThreads);
+  for (int idle_us : {0, 20, 400, 3000}) {
+    for (int rep = 0; rep < 20; ++rep) {
+      std::this_thread::sleep_for(std::chrono::microseconds(idle_us));
+      std::atomic<int> arrived{0};
+      std::vector<std::atomic<int>> tasks_of(kThreads);
+      pool.ParallelFor(kThreads, [&](int64_t, int worker) {
+        tasks_of[worker].fetch_add(1);
+        arrived.fetch_add(1);
+        while (arrived.load() < kThreads) std::this_thread::yield();
+      });
+      for (int w = 0; w < kThreads; ++w) {
+        ASSERT_EQ(tasks_of[w].load(), 1) << "worker " << w << ", idle " << idle_us << " us";
+      }
+    }
+  }
 }
 
 TEST(ThreadPoolTest, ManyPoolsCreatedAndDestroyed) {
