@@ -443,18 +443,27 @@ TEST(FlashTest, KvSplitsMatchReferenceOnAnyThreadCount) {
   struct Case {
     Shape shape;
     Mask mask;
-    int64_t splits;  // the rule: up to 16 items, ranges of at least 8 tiles
+    // The rule: up to 16 items, ranges of at least 8 tiles; in decoding-shaped
+    // calls with fewer than 4 (batch, kv head) items so split, ranges down to
+    // 2 tiles for 4.
+    int64_t splits;
   };
   const std::vector<Case> cases = {
-      {{1, 1, 600, 2, 2, 32, 32}, Mask::Causal(), 4},                        // 38 tiles, 2 tasks
-      {{1, 3, 300, 4, 1, 16, 24}, Mask::Causal() & Mask::Local(150, 0), 2},  // stacked: 1 task
+      {{1, 1, 600, 2, 2, 32, 32}, Mask::Causal(), 4},  // 38 tiles, 2 tasks
+      // Stacked (12 rows): 1 task, 19 tiles: 2 ranges of 8 or more, 4 of 2 or more.
+      {{1, 3, 300, 4, 1, 16, 24}, Mask::Causal() & Mask::Local(150, 0), 4},
+      // MQA over 8 tiles: one range of 8 before, 4 ranges of 2 now; with 4
+      // kv heads the kv heads alone make 4 items, unsplit.
+      {{1, 1, 128, 8, 1, 32, 32}, Mask::Full(), 4},
+      {{1, 1, 128, 8, 4, 32, 32}, Mask::Full(), 1},
       // Stacked, segments: 2 items (both heads of a batch element together).
       {{2, 2, 1100, 4, 2, 16, 16}, Mask::Causal(), 8},
       // Two runs of tiles per row (far past, recent window): some ranges
       // start past a run's end or inside the gap.
       {{1, 2, 1100, 2, 2, 16, 16}, Mask::Causal(-250) | Mask::Local(40, 0), 8},
-      // MQA with 512-byte V rows, used once each: read in place, not copied.
-      {{1, 1, 400, 4, 1, 32, 128}, Mask::Causal(), 3},
+      // MQA with 512-byte V rows, used once each: read in place, not copied
+      // (25 tiles: 3 ranges of 8 or more, 4 of 2 or more).
+      {{1, 1, 400, 4, 1, 32, 128}, Mask::Causal(), 4},
   };
   uint64_t seed = 1300;
   for (const Case& c : cases) {
@@ -509,10 +518,11 @@ TEST(FlashTest, HeadsTogetherMatchReferenceOnAnyThreadCount) {
       // 40 heads: items of 32 and 8; 44 tiles of 16 keys.
       {{1, 1, 700, 40, 40, 16, 16}, Mask::Causal(), 32, 5},
       {{2, 3, 300, 6, 6, 32, 24}, Mask::Causal() & Mask::Local(50, 0), 6, 2},
+      // 2 kv heads: 2 ranges (of 6 and 7 tiles) for 4 items.
       {{1, 2, 200, 4, 2, 16, 16},
        Mask::PerHead({Mask::Causal(), Mask::Full(), Mask::Local(30, 0), Mask::Causal(-100)}),
        4,
-       1},
+       2},
       // The same, split over 4 kv ranges.
       {{1, 2, 600, 4, 2, 16, 16},
        Mask::PerHead({Mask::Local(100, 0), Mask::Full(), Mask::Causal(), Mask::Causal(-300)}),
@@ -521,9 +531,10 @@ TEST(FlashTest, HeadsTogetherMatchReferenceOnAnyThreadCount) {
       // Stacked GQA: 2 kv heads x 4 query heads x 3 rows = 12 rows per head
       // (more than decoding mode takes, UseDecodeStep).
       {{1, 3, 260, 8, 2, 16, 16}, Mask::Causal(), 2, 2},
-      // Not decoding-shaped: 17 rows per head, or one head.
+      // Not taken together: 17 rows per head (not decoding-shaped, unsplit),
+      // or one head (decoding-shaped: 4 ranges of 3 or 4 tiles).
       {{1, 17, 200, 4, 4, 16, 16}, Mask::Causal(), 1, 1},
-      {{1, 1, 200, 1, 1, 16, 16}, Mask::Causal(), 1, 1},
+      {{1, 1, 200, 1, 1, 16, 16}, Mask::Causal(), 1, 4},
   };
   uint64_t seed = 1400;
   for (const Case& c : cases) {
