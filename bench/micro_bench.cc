@@ -549,6 +549,37 @@ void BM_FlashThreads(benchmark::State& state) {
   SetFlops(state, (backward ? 2.5 : 1.0) * 4.0 * d * pairs * heads);
 }
 
+// A whole public decoding call, as a serving loop makes it: AttentionForward
+// (checks, schedule, thread pool, merges) of one bf16 token against Skv
+// keys, D = 128, full mask, wall-clock time. At short Skv the call's fixed
+// costs and its threads' hand-offs are a visible part of it (the pool's
+// wake-ups, the kv ranges a call splits into: docs/perf/DESIGN_MEASUREMENTS.md,
+// polling thread pool and decoding ranges). Args: Skv, H, Hkv, threads.
+void BM_DecodingCall(benchmark::State& state) {
+  const int64_t skv = state.range(0), heads = state.range(1), kv_heads = state.range(2), d = 128;
+  Tensor q(DType::kBF16, {1, 1, heads, d}), k(DType::kBF16, {1, skv, kv_heads, d});
+  Tensor v(DType::kBF16, {1, skv, kv_heads, d});
+  for (Tensor* t : {&q, &k, &v}) {
+    const auto n = static_cast<size_t>(t->numel());
+    FillBf16(t->data_as<uint16_t>(), n, static_cast<uint32_t>(n));
+  }
+  Tensor out(DType::kF32, {1, 1, heads, d}), lse(DType::kF32, {1, heads, 1});
+  AttentionInputs in;
+  in.q = q.view();
+  in.k = k.view();
+  in.v = v.view();
+  AttentionOptions opt;
+  opt.num_threads = static_cast<int>(state.range(3));
+  AttentionForward(in, opt, out.view(), lse.view());
+  for (auto _ : state) {
+    AttentionForward(in, opt, out.view(), lse.view());
+    benchmark::ClobberMemory();
+  }
+  SetFlops(state, 4.0 * static_cast<double>(d * heads * skv));
+  state.counters["KVBytes"] = benchmark::Counter(static_cast<double>(2 * skv * kv_heads * d * 2),
+                                                 benchmark::Counter::kIsIterationInvariantRate);
+}
+
 void FlashArgs(benchmark::internal::Benchmark* b) {
   const auto avx = static_cast<int64_t>(KernelPath::kAvx512);
   const auto bf = static_cast<int64_t>(KernelPath::kAvx512Bf16);
@@ -614,6 +645,12 @@ BENCHMARK(BM_GemmBf16Accumulate)
 BENCHMARK(BM_PackTransposedF32)->Args({64, 128})->Args({64, 64});
 BENCHMARK(BM_PackRowsF32)->Args({128, 128, 0})->Args({128, 128, 1});
 BENCHMARK(BM_Flash)->Apply(FlashArgs);
+BENCHMARK(BM_DecodingCall)
+    ->ArgsProduct({{128, 1024, 4096}, {32}, {8}, {1, 2}})
+    ->ArgsProduct({{512, 1024, 2048}, {8}, {1}, {1, 2}})
+    ->ArgNames({"Skv", "H", "Hkv", "threads"})
+    ->UseRealTime()
+    ->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_FlashThreads)
     ->ArgsProduct({{2048, 4096}, {1, 2}, {0, 1}, {8}, {0}})
     ->ArgsProduct({{2048}, {1}, {0}, {1, 2, 4}, {0}})
