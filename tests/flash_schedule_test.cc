@@ -452,8 +452,8 @@ TEST(FlashTest, KvSplitsMatchReferenceOnAnyThreadCount) {
       {{1, 1, 600, 2, 2, 32, 32}, Mask::Causal(), 4},  // 38 tiles, 2 tasks
       // Stacked (12 rows): 1 task, 19 tiles: 2 ranges of 8 or more, 4 of 2 or more.
       {{1, 3, 300, 4, 1, 16, 24}, Mask::Causal() & Mask::Local(150, 0), 4},
-      // MQA over 8 tiles: one range of 8 before, 4 ranges of 2 now; with 4
-      // kv heads the kv heads alone make 4 items, unsplit.
+      // MQA over 8 tiles: 4 ranges of 2 (one kv head makes too few items);
+      // with 4 kv heads the kv heads alone make 4 items, unsplit.
       {{1, 1, 128, 8, 1, 32, 32}, Mask::Full(), 4},
       {{1, 1, 128, 8, 4, 32, 32}, Mask::Full(), 1},
       // Stacked, segments: 2 items (both heads of a batch element together).

@@ -9,9 +9,13 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstdlib>
 #include <stdexcept>
+#include <string>
 #include <thread>
 #include <vector>
+
+#include "ringsplash/error.h"
 
 namespace ringsplash::kernels {
 namespace {
@@ -152,6 +156,37 @@ TEST(ThreadPoolTest, PollingAndSleepingWorkersJoinEveryJob) {
       }
     }
   }
+}
+
+// RINGSPLASH_POLL_US: 0 makes idle workers sleep at once (every job then
+// wakes them, and every job still finds them all); a malformed value is an
+// Error naming the variable, raised before any thread starts.
+TEST(ThreadPoolTest, PollTimeFromTheEnvironment) {
+  setenv("RINGSPLASH_POLL_US", "0", 1);
+  {
+    ThreadPool pool(3);
+    for (int rep = 0; rep < 50; ++rep) {
+      std::atomic<int> arrived{0};
+      std::vector<std::atomic<int>> tasks_of(3);
+      pool.ParallelFor(3, [&](int64_t, int worker) {
+        tasks_of[worker].fetch_add(1);
+        arrived.fetch_add(1);
+        while (arrived.load() < 3) std::this_thread::yield();
+      });
+      for (auto& t : tasks_of) ASSERT_EQ(t.load(), 1);
+    }
+  }
+  for (const char* bad : {"abc", "-1", "100001", "5us", "1e3"}) {
+    setenv("RINGSPLASH_POLL_US", bad, 1);
+    try {
+      ThreadPool pool(2);
+      ADD_FAILURE() << "RINGSPLASH_POLL_US=" << bad << " accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("RINGSPLASH_POLL_US"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find(bad), std::string::npos) << e.what();
+    }
+  }
+  unsetenv("RINGSPLASH_POLL_US");
 }
 
 TEST(ThreadPoolTest, ManyPoolsCreatedAndDestroyed) {

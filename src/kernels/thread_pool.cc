@@ -13,26 +13,32 @@
 // deadlocking.
 //
 // Waiting is poll-then-block: a worker polls for the next job, and the caller
-// for the workers' end of a job, for up to kPoll before sleeping on a
-// condition variable. Every job needs every worker to arrive and leave, so
-// with sleeping workers each ParallelFor paid a futex wake-up there and back,
-// ~15-25 us on a 2-vCPU VM: a decoding call has two jobs (its kv ranges, then
-// their merge), and on 2 threads one over 128 keys took 47 us instead of 33
-// (docs/perf/DESIGN_MEASUREMENTS.md: polling thread pool). The poll yields
-// the CPU between reads, so on an oversubscribed machine it hands its core
-// to what else runs.
+// for the workers' end of a job, for a while (PollBudget: 100 us unless
+// RINGSPLASH_POLL_US says otherwise) before sleeping on a condition
+// variable. Every job needs every worker to arrive and leave, so with
+// sleeping workers each ParallelFor paid a futex wake-up there and back,
+// ~15-25 us on a 2-vCPU VM: on 2 threads a decoding call over 128 keys (one
+// job) took 47 us instead of 33 (docs/perf/DESIGN_MEASUREMENTS.md: polling
+// thread pool). The poll yields between reads, and pools with more threads
+// than the machine has hardware threads do not poll at all: there a polling
+// worker would take the core another one needs.
 #include "src/kernels/thread_pool.h"
 
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <chrono>
 #include <condition_variable>
+#include <cstdint>
+#include <cstdlib>
 #include <exception>
 #include <mutex>
 #include <system_error>
 #include <thread>
 #include <utility>
 #include <vector>
+
+#include "ringsplash/error.h"
 
 namespace ringsplash::kernels {
 
@@ -42,9 +48,32 @@ namespace {
 thread_local const void* tls_running_pool = nullptr;
 thread_local int tls_worker = 0;
 
-// How long a participant polls before it blocks: several wake-ups' worth,
-// yet short beside any call that takes threads at all.
-constexpr std::chrono::microseconds kPoll{100};
+// How long a participant polls before it blocks by default: several
+// wake-ups' worth, yet short beside any call that takes threads at all.
+constexpr int64_t kDefaultPollUs = 100;
+constexpr int64_t kMaxPollUs = 100000;
+
+// The poll of a pool of `threads`: RINGSPLASH_POLL_US (a whole number of
+// microseconds, 0 to kMaxPollUs; 0 blocks at once, as OMP_WAIT_POLICY=passive
+// does for OpenMP) or kDefaultPollUs; none when the pool has more threads than
+// the hardware. A malformed value is an Error naming the variable (a typo must
+// not silently fall back).
+std::chrono::microseconds PollBudget(int threads) {
+  int64_t us = kDefaultPollUs;
+  const char* env = std::getenv("RINGSPLASH_POLL_US");
+  if (env != nullptr && *env != '\0') {
+    char* end = nullptr;
+    errno = 0;
+    const long long v = std::strtoll(env, &end, 10);
+    Check(end != env && *end == '\0' && errno == 0 && v >= 0 && v <= kMaxPollUs,
+          "RINGSPLASH_POLL_US: expected whole microseconds from 0 to ", kMaxPollUs, ", got '", env,
+          "'");
+    us = v;
+  }
+  const auto hardware = static_cast<int>(std::thread::hardware_concurrency());
+  if (hardware > 0 && threads > hardware) us = 0;
+  return std::chrono::microseconds(us);
+}
 
 // A hint to the core that this is a polling loop (x86 `pause`, Arm `yield`).
 inline void CpuRelax() {
@@ -55,11 +84,12 @@ inline void CpuRelax() {
 #endif
 }
 
-// Polls ready() for up to kPoll, yielding the CPU every 16 reads; whether it
-// turned true.
+// Polls ready() for up to `budget`, yielding the CPU every 16 reads; whether
+// it turned true.
 template <typename Ready>
-bool PollFor(const Ready& ready) {
-  const auto deadline = std::chrono::steady_clock::now() + kPoll;
+bool PollFor(std::chrono::microseconds budget, const Ready& ready) {
+  if (budget.count() == 0) return ready();
+  const auto deadline = std::chrono::steady_clock::now() + budget;
   for (int i = 1;; ++i) {
     if (ready()) return true;
     if (i % 16 == 0) {
@@ -95,6 +125,7 @@ struct ThreadPool::Impl {
   using Fn = std::function<void(int64_t, int)>;
 
   int size = 1;
+  std::chrono::microseconds poll{0};  // PollBudget(size requested)
   std::vector<std::thread> threads;
 
   std::mutex call_mu;  // one job at a time
@@ -137,7 +168,7 @@ struct ThreadPool::Impl {
              generation.load(std::memory_order_relaxed) != seen;
     };
     for (;;) {
-      PollFor(next_job);
+      PollFor(poll, next_job);
       // fn and n are read under mu, which orders them after the caller's writes.
       std::unique_lock<std::mutex> lock(mu);
       start_cv.wait(lock, next_job);
@@ -148,7 +179,8 @@ struct ThreadPool::Impl {
       lock.unlock();
       RunTasks(*f, count, worker);
       lock.lock();
-      // Release: the job's writes happen-before the caller's acquire read of 0.
+      // Under mu, which orders the job's writes before the caller's return
+      // (it takes mu after seeing 0); acq_rel keeps its lock-free read exact.
       if (active.fetch_sub(1, std::memory_order_acq_rel) == 1) done_cv.notify_one();
     }
   }
@@ -158,6 +190,8 @@ ThreadPool::ThreadPool(int num_threads) : impl_(std::make_unique<Impl>()) {
   if (num_threads <= 0) {
     num_threads = std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
   }
+  // Before any thread starts: a throw after would destroy joinable threads.
+  impl_->poll = PollBudget(num_threads);
   impl_->threads.reserve(static_cast<size_t>(num_threads - 1));
   for (int w = 1; w < num_threads; ++w) {
     try {
@@ -220,7 +254,7 @@ void ThreadPool::ParallelFor(int64_t n, const std::function<void(int64_t task, i
   }
   std::exception_ptr error;
   auto done = [&] { return im.active.load(std::memory_order_acquire) == 0; };
-  PollFor(done);
+  PollFor(im.poll, done);
   {
     std::unique_lock<std::mutex> lock(im.mu);
     im.done_cv.wait(lock, done);

@@ -43,23 +43,24 @@ int64_t ForwardKvSplits(const Geometry& g) {
   // (one q block of at most one vector of rows per head), whose items also
   // divide by kv heads (Run in flash/forward.cc), take ranges down to
   // kMinDecodingTiles tiles where they would have fewer than
-  // kMinDecodingItems items: with 8-tile ranges an MQA step over 1024 keys (8
-  // tiles at the default block size) was one item for one core. Shorter
-  // ranges everywhere cost more than they gained (each item widens its q
-  // rows, merges a partial result and starts its requests ahead cold):
+  // kMinDecodingItems items: with 8-tile ranges an MQA step over up to 1920
+  // keys (15 tiles at the default block size) was one item for one core.
+  // Shorter ranges everywhere cost more than they gained (each item widens
+  // its q rows, merges a partial result and starts its requests ahead cold):
   // docs/perf/DESIGN_MEASUREMENTS.md, decoding ranges.
   constexpr int64_t kSplitTasks = 16, kMinSplitTiles = 8;
   constexpr int64_t kMinDecodingItems = 4, kMinDecodingTiles = 2;
   const int64_t together = ForwardHeadsTogether(g);
   const int64_t tasks = together > 1 ? g.b * ((g.h + together - 1) / together) : g.b * g.h * g.nqb;
   if (tasks == 0 || tasks >= kSplitTasks) return 1;
-  int64_t splits = std::min((kSplitTasks + tasks - 1) / tasks, g.nkvb / kMinSplitTiles);
+  int64_t splits = std::clamp<int64_t>(
+      std::min((kSplitTasks + tasks - 1) / tasks, g.nkvb / kMinSplitTiles), 1, kSplitTasks);
   const int64_t kv_items = g.b * g.hkv;  // items a decoding call has unsplit
-  if (g.nqb == 1 && g.sq <= micro::kVec && kv_items * splits < kMinDecodingItems) {
+  if (g.nqb == 1 && g.sq <= micro::kVec && kv_items > 0 && kv_items * splits < kMinDecodingItems) {
     splits = std::max(splits, std::min((kMinDecodingItems + kv_items - 1) / kv_items,
                                        g.nkvb / kMinDecodingTiles));
   }
-  return std::clamp<int64_t>(splits, 1, kSplitTasks);
+  return splits;
 }
 
 int64_t BackwardHeadParts(const Geometry& g) {

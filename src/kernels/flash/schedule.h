@@ -75,9 +75,12 @@ int64_t ForwardHeadsTogether(const Geometry& g);
 // GPUs): when a call has fewer than 16 (batch, head, q block) tasks —
 // decoding — one per thread would leave cores idle while each walks the
 // whole of K and V. At least 16 items where the tiles allow (fewer than 32),
-// ranges of at least 8 tiles; a function of the shapes only, so results stay
-// independent of the thread count. Counted in work items: with heads taken
-// together (ForwardHeadsTogether), one item per (batch, group of heads).
+// ranges of at least 8 tiles; decoding-shaped calls (one q block of at most
+// micro::kVec rows per head) with fewer than 4 (batch, kv head) x ranges
+// items take ranges down to 2 tiles until they have 4. A function of the
+// shapes only, so results stay independent of the thread count. Counted in
+// work items: with heads taken together (ForwardHeadsTogether), one item per
+// (batch, group of heads).
 int64_t ForwardKvSplits(const Geometry& g);
 
 // Into how many parts FlashBackward splits each kv head's group of query
