@@ -138,22 +138,28 @@ TEST(ThreadPoolTest, NestedCallRunsInlineWithoutDeadlock) {
 // for one another, so each worker must take one: a worker that missed the
 // job would hang it (ctest's timeout then fails the test; so would a lost
 // wake-up, since ParallelFor waits for every worker).
+// Runs a job of pool.size() tasks that wait for one another, so that every
+// worker must take one; the tasks each worker ran.
+std::vector<int> TasksPerWorkerOfBarrierJob(ThreadPool& pool) {
+  const int n = pool.size();
+  std::atomic<int> arrived{0};
+  std::vector<std::atomic<int>> tasks_of(static_cast<size_t>(n));
+  pool.ParallelFor(n, [&](int64_t, int worker) {
+    tasks_of[static_cast<size_t>(worker)].fetch_add(1);
+    arrived.fetch_add(1);
+    while (arrived.load() < n) std::this_thread::yield();
+  });
+  std::vector<int> counts;
+  for (const auto& t : tasks_of) counts.push_back(t.load());
+  return counts;
+}
+
 TEST(ThreadPoolTest, PollingAndSleepingWorkersJoinEveryJob) {
-  constexpr int kThreads = 3;
-  ThreadPool pool(kThreads);
+  ThreadPool pool(3);
   for (int idle_us : {0, 20, 400, 3000}) {
     for (int rep = 0; rep < 20; ++rep) {
       std::this_thread::sleep_for(std::chrono::microseconds(idle_us));
-      std::atomic<int> arrived{0};
-      std::vector<std::atomic<int>> tasks_of(kThreads);
-      pool.ParallelFor(kThreads, [&](int64_t, int worker) {
-        tasks_of[worker].fetch_add(1);
-        arrived.fetch_add(1);
-        while (arrived.load() < kThreads) std::this_thread::yield();
-      });
-      for (int w = 0; w < kThreads; ++w) {
-        ASSERT_EQ(tasks_of[w].load(), 1) << "worker " << w << ", idle " << idle_us << " us";
-      }
+      ASSERT_EQ(TasksPerWorkerOfBarrierJob(pool), std::vector<int>(3, 1)) << "idle " << idle_us;
     }
   }
 }
@@ -166,14 +172,7 @@ TEST(ThreadPoolTest, PollTimeFromTheEnvironment) {
   {
     ThreadPool pool(3);
     for (int rep = 0; rep < 50; ++rep) {
-      std::atomic<int> arrived{0};
-      std::vector<std::atomic<int>> tasks_of(3);
-      pool.ParallelFor(3, [&](int64_t, int worker) {
-        tasks_of[worker].fetch_add(1);
-        arrived.fetch_add(1);
-        while (arrived.load() < 3) std::this_thread::yield();
-      });
-      for (auto& t : tasks_of) ASSERT_EQ(t.load(), 1);
+      ASSERT_EQ(TasksPerWorkerOfBarrierJob(pool), std::vector<int>(3, 1)) << "job " << rep;
     }
   }
   for (const char* bad : {"abc", "-1", "100001", "5us", "1e3"}) {
