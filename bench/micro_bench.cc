@@ -61,6 +61,15 @@ void FillF32(float* data, size_t n, uint32_t seed) {
 void FillBf16(uint16_t* data, size_t n, uint32_t seed) {
   Fill(data, n, seed, [](float x) { return F32ToBF16(x); });
 }
+// A float32 or bf16 tensor, as FillF32 or FillBf16 fill its elements.
+void FillTensor(Tensor& t, uint32_t seed) {
+  const auto n = static_cast<size_t>(t.numel());
+  if (t.dtype() == DType::kF32) {
+    FillF32(t.data_as<float>(), n, seed);
+  } else {
+    FillBf16(t.data_as<uint16_t>(), n, seed);
+  }
+}
 
 // Looks up the table of a path, or marks the benchmark skipped.
 const MicroKernels* KernelsOr(benchmark::State& state, KernelPath path) {
@@ -456,14 +465,7 @@ void BM_Flash(benchmark::State& state) {
   }
   Tensor q(dtype, {1, s, 1, d}), k(dtype, {1, s, 1, d}), v(dtype, {1, s, 1, d});
   Tensor dout(dtype, {1, s, 1, d});
-  for (Tensor* t : {&q, &k, &v, &dout}) {
-    const auto n = static_cast<size_t>(t->numel());
-    if (dtype == DType::kF32) {
-      FillF32(t->data_as<float>(), n, static_cast<uint32_t>(n));
-    } else {
-      FillBf16(t->data_as<uint16_t>(), n, static_cast<uint32_t>(n));
-    }
-  }
+  for (Tensor* t : {&q, &k, &v, &dout}) FillTensor(*t, static_cast<uint32_t>(t->numel()));
   const Mask mask = mask_kind == 0   ? Mask::Full()
                     : mask_kind == 1 ? Mask::Causal()
                                      : Mask::Causal() & Mask::Local(512, 0);
@@ -518,9 +520,7 @@ void BM_FlashThreads(benchmark::State& state) {
   }
   Tensor q(DType::kF32, {1, s, heads, d}), k(DType::kF32, {1, s, heads, d});
   Tensor v(DType::kF32, {1, s, heads, d}), dout(DType::kF32, {1, s, heads, d});
-  for (Tensor* t : {&q, &k, &v, &dout}) {
-    FillF32(t->data_as<float>(), static_cast<size_t>(t->numel()), static_cast<uint32_t>(s));
-  }
+  for (Tensor* t : {&q, &k, &v, &dout}) FillTensor(*t, static_cast<uint32_t>(s));
   const Mask mask = window ? Mask::Causal() & Mask::Local(512, 0) : Mask::Full();
   kernels::FlashParams p;
   p.q = q.view();
@@ -559,10 +559,7 @@ void BM_DecodingCall(benchmark::State& state) {
   const int64_t skv = state.range(0), heads = state.range(1), kv_heads = state.range(2), d = 128;
   Tensor q(DType::kBF16, {1, 1, heads, d}), k(DType::kBF16, {1, skv, kv_heads, d});
   Tensor v(DType::kBF16, {1, skv, kv_heads, d});
-  for (Tensor* t : {&q, &k, &v}) {
-    const auto n = static_cast<size_t>(t->numel());
-    FillBf16(t->data_as<uint16_t>(), n, static_cast<uint32_t>(n));
-  }
+  for (Tensor* t : {&q, &k, &v}) FillTensor(*t, static_cast<uint32_t>(t->numel()));
   Tensor out(DType::kF32, {1, 1, heads, d}), lse(DType::kF32, {1, heads, 1});
   AttentionInputs in;
   in.q = q.view();
