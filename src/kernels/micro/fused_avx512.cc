@@ -31,19 +31,20 @@
 namespace ringsplash::kernels::micro::avx512 {
 namespace {
 
-// Natural logit of the raw product (scale, then the soft cap).
+// Natural logit of the raw product (scale, then the soft cap). The cap is a
+// compile-time switch (WithSwitches, as in the lazy step and the AVX2
+// kernels), so an uncapped tile carries no tanh code or constants.
+template <bool kCapped>
 struct LogitOp {
   __m512 scale, cap, inv_cap;
-  bool capped;
   explicit LogitOp(const TileArgs& t)
       : scale(_mm512_set1_ps(t.scale)),
         cap(_mm512_set1_ps(t.softcap)),
-        inv_cap(_mm512_set1_ps(t.softcap > 0.0f ? 1.0f / t.softcap : 0.0f)),
-        capped(t.softcap > 0.0f) {}
-  __m512 operator()(__m512 s) const {
-    __m512 x = _mm512_mul_ps(s, scale);
-    if (capped) x = _mm512_mul_ps(cap, Tanh512(_mm512_mul_ps(x, inv_cap)));
-    return x;
+        inv_cap(_mm512_set1_ps(kCapped ? 1.0f / t.softcap : 0.0f)) {}
+  RINGSPLASH_INLINE __m512 operator()(__m512 s) const {
+    const __m512 x = _mm512_mul_ps(s, scale);
+    if constexpr (!kCapped) return x;
+    return _mm512_mul_ps(cap, Tanh512(_mm512_mul_ps(x, inv_cap)));
   }
 };
 
@@ -125,11 +126,11 @@ bool TryLazyStep(const TileArgs& t, float* row_max, float* row_sum, float* alpha
 
 // Exact step, first pass: logits stored (-inf where masked or skipped), the
 // max of each lane kept in lane_max.
-template <bool kMasked>
+template <bool kMasked, bool kCapped>
 struct ExactForwardEpilogue {
   const TileArgs& t;
   float* lane_max;  // [mp]
-  LogitOp logit;
+  LogitOp<kCapped> logit;
 
   void Zero(int64_t j0, int rows, int64_t i0, int vectors) {
     for (int r = 0; r < rows; ++r) {
@@ -265,22 +266,26 @@ void MaskBits(int64_t queries, int64_t keys, const uint8_t* bytes, int64_t ldb, 
 }
 
 void SoftmaxColumns(const TileArgs& t, float* row_max, float* row_sum, float* alpha) {
-  const LogitOp logit(t);
-  const __m512 neg_inf = _mm512_set1_ps(kNegInf);
-  const int64_t mp = RoundUp(t.queries, kVec);
-  // One 16-query column strip at a time: the max and the sums run down the
-  // keys lane-wise (the strip, keys x 64 bytes, stays in L1 between passes).
-  for (int64_t i0 = 0; i0 < mp; i0 += 16) {
-    __m512 vmax = neg_inf;
-    for (int64_t j = 0; j < t.keys; ++j) {
-      float* s = t.pt + j * t.ldp + i0;
-      __m512 x = logit(_mm512_loadu_ps(s));
-      if (t.mask != nullptr) x = _mm512_mask_blend_ps(Allowed16(t, j, i0), neg_inf, x);
-      _mm512_storeu_ps(s, x);
-      vmax = _mm512_max_ps(vmax, x);
+  WithSwitches(t, [&](auto capped, auto masked) {
+    const LogitOp<decltype(capped)::value> logit(t);
+    const __m512 neg_inf = _mm512_set1_ps(kNegInf);
+    const int64_t mp = RoundUp(t.queries, kVec);
+    // One 16-query column strip at a time: the max and the sums run down the
+    // keys lane-wise (the strip, keys x 64 bytes, stays in L1 between passes).
+    for (int64_t i0 = 0; i0 < mp; i0 += 16) {
+      __m512 vmax = neg_inf;
+      for (int64_t j = 0; j < t.keys; ++j) {
+        float* s = t.pt + j * t.ldp + i0;
+        __m512 x = logit(_mm512_loadu_ps(s));
+        if constexpr (decltype(masked)::value) {
+          x = _mm512_mask_blend_ps(Allowed16(t, j, i0), neg_inf, x);
+        }
+        _mm512_storeu_ps(s, x);
+        vmax = _mm512_max_ps(vmax, x);
+      }
+      ExpStrip(t, i0, vmax, row_max, row_sum, alpha);
     }
-    ExpStrip(t, i0, vmax, row_max, row_sum, alpha);
-  }
+  });
 }
 
 void ForwardTile(const TileArgs& t, float* row_max, float* row_sum, float* alpha) {
@@ -289,13 +294,13 @@ void ForwardTile(const TileArgs& t, float* row_max, float* row_sum, float* alpha
   const int64_t mp = RoundUp(t.queries, kVec);
   float* lane_max = t.scratch;
   for (int64_t i0 = 0; i0 < mp; i0 += 16) _mm512_store_ps(lane_max + i0, _mm512_set1_ps(kNegInf));
-  if (t.mask != nullptr) {
-    ExactForwardEpilogue<true> epi{t, lane_max, LogitOp(t)};
-    Blocks(t.keys, mp, t.d, t.k, t.ldk, t.qt, t.ldq, t.mask, t.ldm, epi);
-  } else {
-    ExactForwardEpilogue<false> epi{t, lane_max, LogitOp(t)};
-    Blocks(t.keys, mp, t.d, t.k, t.ldk, t.qt, t.ldq, nullptr, 0, epi);
-  }
+  WithSwitches(t, [&](auto capped, auto masked) {
+    constexpr bool kMasked = decltype(masked)::value;
+    constexpr bool kCapped = decltype(capped)::value;
+    ExactForwardEpilogue<kMasked, kCapped> epi{t, lane_max, LogitOp<kCapped>(t)};
+    Blocks(t.keys, mp, t.d, t.k, t.ldk, t.qt, t.ldq, kMasked ? t.mask : nullptr,
+           kMasked ? t.ldm : 0, epi);
+  });
   for (int64_t i0 = 0; i0 < mp; i0 += 16) {
     ExpStrip(t, i0, _mm512_load_ps(lane_max + i0), row_max, row_sum, alpha);
   }
