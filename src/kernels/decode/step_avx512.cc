@@ -53,23 +53,27 @@ constexpr int kMaxShare = static_cast<int>(kMaxDecodeShare);  // entries done to
 
 // Heads sharing rows (G >= 2) do G times the arithmetic per byte, which
 // leaves the out-of-order window too few loads in flight to cover memory
-// latency: each K and V row two chunks ahead (32 keys) is requested into L2
-// (prefetcht1), a line at a time beside the loads of the same columns of
-// this chunk's row — spread over the arithmetic, since a request waits for
-// a free fill buffer and a burst of them stalls the core (docs/perf/DESIGN_MEASUREMENTS.md:
-// decoding prefetch). One head per row (MHA) keeps
-// enough loads in flight by itself; the requests would only slow it, so it
-// makes none.
+// latency: each K and V row two chunks ahead (32 keys) is requested, a line
+// at a time beside the loads of the same columns of this chunk's row —
+// spread over the arithmetic, since a request waits for a free fill buffer
+// and a burst of them stalls the core. Into L1 (prefetcht0) for runs of up
+// to 4 heads (2 and 4 heads per kv head: 5-20 % faster steps than into L2);
+// into L2 (prefetcht1) for 5 to 8, where L1 was no faster (measured,
+// docs/perf/DESIGN_MEASUREMENTS.md: decoding prefetch). One head per row
+// (MHA) keeps enough loads in flight by itself; the requests would only
+// slow it, so it makes none.
 constexpr int64_t kPrefetchKeys = 32;
 
-// Requests `bytes` bytes from `ahead` bytes past row into L2. The address
-// may lie past the tensor's end (the last chunks): prefetches never fault,
-// and it is formed as an integer, not by pointer arithmetic out of the object.
-template <typename T>
+// Requests `bytes` bytes from `ahead` bytes past row for a run of G heads
+// (above). The address may lie past the tensor's end (the last chunks):
+// prefetches never fault, and it is formed as an integer, not by pointer
+// arithmetic out of the object.
+template <int G, typename T>
 RINGSPLASH_INLINE void PrefetchRow(const T* row, int64_t ahead, int64_t bytes) {
+  constexpr auto kHint = G <= 4 ? _MM_HINT_T0 : _MM_HINT_T1;
   const uintptr_t at = reinterpret_cast<uintptr_t>(row) + static_cast<uintptr_t>(ahead);
   for (int64_t o = 0; o < bytes; o += 64) {
-    _mm_prefetch(reinterpret_cast<const char*>(at + static_cast<uintptr_t>(o)), _MM_HINT_T1);
+    _mm_prefetch(reinterpret_cast<const char*>(at + static_cast<uintptr_t>(o)), kHint);
   }
 }
 
@@ -179,7 +183,7 @@ RINGSPLASH_INLINE void Dots(const DecodeHead* h, const T* k, int64_t ldk, int64_
       if constexpr (G >= 2) {
         RINGSPLASH_UNROLL
         for (int t = 0; t < kTokens; ++t) {
-          if (present[t] != 0) PrefetchRow(row[t] + c, ahead, 64);
+          if (present[t] != 0) PrefetchRow<G>(row[t] + c, ahead, 64);
         }
       }
     };
@@ -260,8 +264,8 @@ RINGSPLASH_INLINE void AddRows(const DecodeHead* h, const float (&p)[kMaxShare][
       const T* row = v + j * ldv + c0;
       if constexpr (G >= 2) {
         // This pass's columns of the row kPrefetchKeys ahead.
-        PrefetchRow(row, kPrefetchKeys * ldv * static_cast<int64_t>(sizeof(T)),
-                    std::min<int64_t>(16 * NV, dv - c0) * static_cast<int64_t>(sizeof(T)));
+        PrefetchRow<G>(row, kPrefetchKeys * ldv * static_cast<int64_t>(sizeof(T)),
+                       std::min<int64_t>(16 * NV, dv - c0) * static_cast<int64_t>(sizeof(T)));
       }
       __m512 vv[NV];
       RINGSPLASH_UNROLL
@@ -300,7 +304,7 @@ RINGSPLASH_INLINE void AddRowsPairsAt(const DecodeHead* h, const float (&p)[kMax
   for (int j = 0; j < rows; ++j) {
     const uint16_t* row = v + j * ldv + c0;
     if constexpr (G >= 2) {
-      PrefetchRow(row, kPrefetchKeys * ldv * 2, 64 * NW);  // this pass's columns
+      PrefetchRow<G>(row, kPrefetchKeys * ldv * 2, 64 * NW);  // this pass's columns
     }
     __m512 vv[2 * NW];
     RINGSPLASH_UNROLL
