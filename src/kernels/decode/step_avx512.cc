@@ -57,9 +57,9 @@ constexpr int kMaxShare = static_cast<int>(kMaxDecodeShare);  // entries done to
 // at a time beside the loads of the same columns of this chunk's row —
 // spread over the arithmetic, since a request waits for a free fill buffer
 // and a burst of them stalls the core. Into L1 (prefetcht0) for runs of up
-// to 4 heads (2 and 4 heads per kv head: 5-20 % faster steps than into L2);
-// into L2 (prefetcht1) for 5 to 8, where L1 was no faster (measured,
-// docs/perf/DESIGN_MEASUREMENTS.md: decoding prefetch). One head per row
+// to 4 entries, into L2 (prefetcht1) for 5 to 8: measured on one host (the
+// Xeon with AMX), runs of 2 and 4 took 5-20 % less time into L1 and runs of 8 4 %
+// more (docs/perf/DESIGN_MEASUREMENTS.md: decoding prefetch). One head per row
 // (MHA) keeps enough loads in flight by itself; the requests would only
 // slow it, so it makes none.
 constexpr int64_t kPrefetchKeys = 32;

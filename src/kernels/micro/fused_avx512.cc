@@ -33,7 +33,7 @@ namespace {
 
 // Natural logit of the raw product (scale, then the soft cap). The cap is a
 // compile-time switch (WithSwitches, as in the lazy step and the AVX2
-// kernels), so an uncapped tile carries no tanh code or constants.
+// kernels), so an uncapped tile carries no tanh code.
 template <bool kCapped>
 struct LogitOp {
   __m512 scale, cap, inv_cap;
