@@ -64,7 +64,7 @@ constexpr int kMaxShare = static_cast<int>(kMaxDecodeShare);  // entries done to
 // slow it, so it makes none.
 constexpr int64_t kPrefetchKeys = 32;
 
-// Requests `bytes` bytes from `ahead` bytes past row for a run of G heads
+// Requests `bytes` bytes from `ahead` bytes past row for a run of G entries
 // (above). The address may lie past the tensor's end (the last chunks):
 // prefetches never fault, and it is formed as an integer, not by pointer
 // arithmetic out of the object.

@@ -295,11 +295,9 @@ void ForwardTile(const TileArgs& t, float* row_max, float* row_sum, float* alpha
   float* lane_max = t.scratch;
   for (int64_t i0 = 0; i0 < mp; i0 += 16) _mm512_store_ps(lane_max + i0, _mm512_set1_ps(kNegInf));
   WithSwitches(t, [&](auto capped, auto masked) {
-    constexpr bool kMasked = decltype(masked)::value;
     constexpr bool kCapped = decltype(capped)::value;
-    ExactForwardEpilogue<kMasked, kCapped> epi{t, lane_max, LogitOp<kCapped>(t)};
-    Blocks(t.keys, mp, t.d, t.k, t.ldk, t.qt, t.ldq, kMasked ? t.mask : nullptr,
-           kMasked ? t.ldm : 0, epi);
+    ExactForwardEpilogue<decltype(masked)::value, kCapped> epi{t, lane_max, LogitOp<kCapped>(t)};
+    Blocks(t.keys, mp, t.d, t.k, t.ldk, t.qt, t.ldq, t.mask, t.ldm, epi);
   });
   for (int64_t i0 = 0; i0 < mp; i0 += 16) {
     ExpStrip(t, i0, _mm512_load_ps(lane_max + i0), row_max, row_sum, alpha);
