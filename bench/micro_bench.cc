@@ -350,6 +350,33 @@ void BM_SoftmaxColumns(benchmark::State& state) {
                                                   benchmark::Counter::kIsIterationInvariantRate);
 }
 
+// The bf16 path's softmax step alone (micro.h SoftmaxBf16Fn) on stored raw
+// products, in its steady (lazy) state: every query has a finite max, so P
+// is evaluated against it and written transposed as bf16 rows, t.pt left as
+// it is (each iteration sees the same products; row_sum only grows). The
+// amx forward's largest phase after its tile products (docs/perf/XEON_HOST.md).
+void BM_SoftmaxBf16(benchmark::State& state) {
+  const auto path = static_cast<KernelPath>(state.range(0));
+  const MicroKernels* mk = KernelsOr(state, path);
+  if (mk == nullptr) return;
+  Tile tile(state.range(2), state.range(1), state.range(3));
+  const kernels::micro::TileArgs t = tile.Args(0.088f);
+  FillF32(tile.pt.data(), tile.pt.size(), 6);
+  const int64_t ldpb = RoundUp(tile.keys, 32);
+  AlignedBuffer<uint16_t> p(tile.queries * ldpb);
+  for (int64_t i = 0; i < tile.queries; ++i) {
+    tile.row_max[i] = 0.5f;
+    tile.row_sum[i] = 1.0f;
+  }
+  for (auto _ : state) {
+    mk->softmax_bf16(t, tile.row_max.data(), tile.row_sum.data(), tile.alpha.data(), p.data(),
+                     ldpb);
+    benchmark::ClobberMemory();
+  }
+  state.counters["elements"] = benchmark::Counter(static_cast<double>(tile.keys * tile.queries),
+                                                  benchmark::Counter::kIsIterationInvariantRate);
+}
+
 // The fused backward tile: P^T from K Q^T and dS^T from V dO^T (two products).
 void BM_BackwardTile(benchmark::State& state) {
   const auto path = static_cast<KernelPath>(state.range(0));
@@ -624,6 +651,9 @@ BENCHMARK(BM_ForwardTile)->Apply(TileArgsOf);
 BENCHMARK(BM_ForwardTileExact)->Apply(TileArgsOf);
 BENCHMARK(BM_ForwardTileStride)->Arg(128)->Arg(144)->Arg(256)->Arg(1024);
 BENCHMARK(BM_SoftmaxColumns)->Apply(TileArgsOf);
+BENCHMARK(BM_SoftmaxBf16)  // the amx table's step is avx512_bf16's
+    ->ArgsProduct({{static_cast<int64_t>(KernelPath::kAvx512Bf16)}, {64, 128}, {128}, {128}})
+    ->ArgNames({"path", "bq", "bkv", "d"});
 BENCHMARK(BM_BackwardTile)->Apply(TileArgsOf);
 BENCHMARK(BM_GemmBf16Scores)
     ->ArgsProduct({{static_cast<int64_t>(KernelPath::kAvx512Bf16),
