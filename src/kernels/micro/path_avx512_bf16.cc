@@ -235,7 +235,7 @@ void TileToBf16(int64_t keys, int64_t queries, const float* src, int64_t lds, ui
 // exponent past 128 gives +inf) the step is abandoned, as the fused f32
 // tile's is: false, with row_sum and alpha untouched (they are committed
 // last) and t.pt intact, for the exact step to redo P. The terms are
-// positive, so a sum within the limit bounds each of them too; until 8 Dec
+// positive, so a sum within the limit bounds each of them too; until 7 Dec
 // this step also tracked each query's largest exponent against
 // log2(kLazySumLimit / keys), a stricter test than the contract asks that
 // cost one vector max of ~16 instructions per 16 scores (BM_SoftmaxBf16:
