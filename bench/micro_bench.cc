@@ -351,17 +351,23 @@ void BM_SoftmaxColumns(benchmark::State& state) {
 }
 
 // The bf16 path's softmax step alone (micro.h SoftmaxBf16Fn) on stored raw
-// products, in its steady (lazy) state: every query has a finite max, so P
-// is evaluated against it and written transposed as bf16 rows, t.pt left as
-// it is (each iteration sees the same products; row_sum only grows). The
-// amx forward's largest phase after its tile products (docs/perf/XEON_HOST.md).
+// products. steady 1: every query has a finite max, so the lazy step runs
+// (P evaluated against it and written transposed as bf16 rows, t.pt left
+// as it is: each iteration sees the same products; row_sum only grows);
+// steady 0: a query's first tile, the exact step, the state reset each
+// iteration (and t.pt, which the exact step may use in place). The amx
+// forward's largest phase after its tile products (docs/perf/XEON_HOST.md).
+// Args: path, bq, bkv, steady.
 void BM_SoftmaxBf16(benchmark::State& state) {
   const auto path = static_cast<KernelPath>(state.range(0));
   const MicroKernels* mk = KernelsOr(state, path);
   if (mk == nullptr) return;
-  Tile tile(state.range(2), state.range(1), state.range(3));
+  const bool steady = state.range(3) != 0;
+  Tile tile(state.range(2), state.range(1), 128);
   const kernels::micro::TileArgs t = tile.Args(0.088f);
-  FillF32(tile.pt.data(), tile.pt.size(), 6);
+  AlignedBuffer<float> raw(tile.pt.size());
+  FillF32(raw.data(), raw.size(), 6);
+  std::copy(raw.data(), raw.data() + raw.size(), tile.pt.data());
   const int64_t ldpb = RoundUp(tile.keys, 32);
   AlignedBuffer<uint16_t> p(tile.queries * ldpb);
   for (int64_t i = 0; i < tile.queries; ++i) {
@@ -369,6 +375,13 @@ void BM_SoftmaxBf16(benchmark::State& state) {
     tile.row_sum[i] = 1.0f;
   }
   for (auto _ : state) {
+    if (!steady) {
+      state.PauseTiming();
+      std::copy(raw.data(), raw.data() + raw.size(), tile.pt.data());
+      std::fill_n(tile.row_max.data(), tile.queries, -std::numeric_limits<float>::infinity());
+      std::fill_n(tile.row_sum.data(), tile.queries, 0.0f);
+      state.ResumeTiming();
+    }
     mk->softmax_bf16(t, tile.row_max.data(), tile.row_sum.data(), tile.alpha.data(), p.data(),
                      ldpb);
     benchmark::ClobberMemory();
@@ -652,8 +665,8 @@ BENCHMARK(BM_ForwardTileExact)->Apply(TileArgsOf);
 BENCHMARK(BM_ForwardTileStride)->Arg(128)->Arg(144)->Arg(256)->Arg(1024);
 BENCHMARK(BM_SoftmaxColumns)->Apply(TileArgsOf);
 BENCHMARK(BM_SoftmaxBf16)  // the amx table's step is avx512_bf16's
-    ->ArgsProduct({{static_cast<int64_t>(KernelPath::kAvx512Bf16)}, {64, 128}, {128}, {128}})
-    ->ArgNames({"path", "bq", "bkv", "d"});
+    ->ArgsProduct({{static_cast<int64_t>(KernelPath::kAvx512Bf16)}, {64, 128}, {128}, {0, 1}})
+    ->ArgNames({"path", "bq", "bkv", "steady"});
 BENCHMARK(BM_BackwardTile)->Apply(TileArgsOf);
 BENCHMARK(BM_GemmBf16Scores)
     ->ArgsProduct({{static_cast<int64_t>(KernelPath::kAvx512Bf16),

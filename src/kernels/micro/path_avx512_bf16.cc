@@ -228,26 +228,53 @@ void TileToBf16(int64_t keys, int64_t queries, const float* src, int64_t lds, ui
   }
 }
 
-// The lazy step of ForwardTileFn on stored products, in one pass: P is
-// computed (Exp2Raw512, as in the fused f32 tile) 16 keys x 16 queries in
-// registers and written transposed as bf16 rows, while each query's sum is
-// kept lane-wise. If a sum exceeds kLazySumLimit or is not finite (an
-// exponent past 128 gives +inf) the step is abandoned, as the fused f32
-// tile's is: false, with row_sum and alpha untouched (they are committed
-// last) and t.pt intact, for the exact step to redo P. The terms are
-// positive, so a sum within the limit bounds each of them too; until 7 Dec
-// this step also tracked each query's largest exponent against
-// log2(kLazySumLimit / keys), a stricter test than the contract asks that
-// cost one vector max of ~16 instructions per 16 scores (BM_SoftmaxBf16:
-// 3.71 -> 3.42 us per 128 x 128 tile on the Xeon host).
+// P^T of the 16-query strip at i0 (nq live queries) against the per-query
+// exponent shift `shift` (a max times log2 e): P^T = 2^(x c2 - shift) with
+// c2 = scale log2 e (Exp2Raw512, as in the fused f32 tile), masked keys
+// zero, computed 16 keys x 16 queries in registers and written transposed
+// as bf16 rows (keys up to RoundUp(keys, 32), zero past them). Returns the
+// strip's sums, lane-wise.
+RINGSPLASH_INLINE __m512 StripToBf16(const TileArgs& t, int64_t i0, int64_t nq, __m512 c2,
+                                     __m512 shift, uint16_t* p, int64_t ldpb) {
+  using avx512::Allowed16;
+  const int64_t padded = RoundUp(t.keys, 32);
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t j0 = 0; j0 < padded; j0 += 16) {
+    __m512 r[16];
+    RINGSPLASH_UNROLL
+    for (int jj = 0; jj < 16; ++jj) {
+      const int64_t j = j0 + jj;
+      if (j >= t.keys) {
+        r[jj] = _mm512_setzero_ps();
+        continue;
+      }
+      const __m512 e = _mm512_fmsub_ps(_mm512_loadu_ps(t.pt + j * t.ldp + i0), c2, shift);
+      __m512 v = Exp2Raw512(e);
+      if (t.mask != nullptr) v = _mm512_maskz_mov_ps(Allowed16(t, j, i0), v);
+      sum = _mm512_add_ps(sum, v);
+      r[jj] = v;
+    }
+    StoreTransposedBf16(r, nq, p, ldpb, i0, j0);
+  }
+  return sum;
+}
+
+// The lazy step of ForwardTileFn on stored products, in one pass
+// (StripToBf16 against each query's reference max m_i). If a query's sum
+// exceeds kLazySumLimit or is not finite (an exponent past 128 gives +inf)
+// the step is abandoned, as the fused f32 tile's is: false, with row_sum and
+// alpha untouched (they are committed last) and t.pt intact, for the exact
+// step to redo P. The terms are positive, so a sum within the limit bounds
+// each of them too; until 7 Dec this step also tracked each query's largest
+// exponent against log2(kLazySumLimit / keys), a stricter test than the
+// contract asks that cost one vector max of ~16 instructions per 16 scores
+// (BM_SoftmaxBf16: 3.71 -> 3.42 us per 128 x 128 tile on the Xeon host).
 bool LazyStepBf16(const TileArgs& t, float* row_max, float* row_sum, float* alpha, uint16_t* p,
                   int64_t ldpb) {
-  using avx512::Allowed16;
   using avx512::LaneMask;
   const int64_t mp = RoundUp(t.queries, kVec);
   const __m512 neg_inf = _mm512_set1_ps(avx512::kNegInf);
   const __m512 c2 = _mm512_set1_ps(t.scale * avx512::kLog2e);
-  const int64_t padded = RoundUp(t.keys, 32);
   float* sums = t.scratch;  // [mp], committed once every query passed
   for (int64_t i0 = 0; i0 < mp; i0 += 16) {
     const __mmask16 live = LaneMask(t.queries - i0);
@@ -256,24 +283,7 @@ bool LazyStepBf16(const TileArgs& t, float* row_max, float* row_sum, float* alph
     // A query without a finite reference yet (first tile, or masked so far).
     if (_mm512_mask_cmp_ps_mask(live, m, neg_inf, _CMP_EQ_OQ) != 0) return false;
     const __m512 shift = _mm512_mul_ps(m, _mm512_set1_ps(avx512::kLog2e));
-    __m512 sum = _mm512_setzero_ps();
-    for (int64_t j0 = 0; j0 < padded; j0 += 16) {
-      __m512 r[16];
-      RINGSPLASH_UNROLL
-      for (int jj = 0; jj < 16; ++jj) {
-        const int64_t j = j0 + jj;
-        if (j >= t.keys) {
-          r[jj] = _mm512_setzero_ps();
-          continue;
-        }
-        const __m512 e = _mm512_fmsub_ps(_mm512_loadu_ps(t.pt + j * t.ldp + i0), c2, shift);
-        __m512 v = Exp2Raw512(e);
-        if (t.mask != nullptr) v = _mm512_maskz_mov_ps(Allowed16(t, j, i0), v);
-        sum = _mm512_add_ps(sum, v);
-        r[jj] = v;
-      }
-      StoreTransposedBf16(r, nq, p, ldpb, i0, j0);
-    }
+    const __m512 sum = StripToBf16(t, i0, nq, c2, shift, p, ldpb);
     // An ordered compare: a NaN sum fails it too.
     if (_mm512_mask_cmp_ps_mask(live, sum, _mm512_set1_ps(kLazySumLimit), _CMP_LE_OQ) != live) {
       return false;
@@ -290,6 +300,69 @@ bool LazyStepBf16(const TileArgs& t, float* row_max, float* row_sum, float* alph
   return true;
 }
 
+// The exact step of SoftmaxBf16Fn without a soft cap, in two passes over
+// each 16-query strip (keys x 64 bytes, in L1 between them): the largest
+// allowed logit of each query, then StripToBf16 against the new running max
+// m_new = max(row_max, that logit), every exponent <= 0. A query with no
+// allowed key so far keeps row_max = -inf with P, its sum and alpha zero,
+// as in the f32 exact step (ExpStrip), whose exp of x - m_new this computes
+// as 2^(x log2 e - m_new log2 e), as the lazy step does. It replaces that
+// step's f32 P stored in place and TileToBf16's pass to round and transpose
+// it. False (nothing committed, t.pt intact) if a logit is +inf or NaN (a
+// product past f32's range): the f32 step then gives what it always gave.
+bool ExactStepBf16(const TileArgs& t, float* row_max, float* row_sum, float* alpha, uint16_t* p,
+                   int64_t ldpb) {
+  using avx512::Allowed16;
+  using avx512::LaneMask;
+  const int64_t mp = RoundUp(t.queries, kVec);
+  const __m512 neg_inf = _mm512_set1_ps(avx512::kNegInf);
+  const __m512 log2e = _mm512_set1_ps(avx512::kLog2e);
+  const __m512 scale = _mm512_set1_ps(t.scale);
+  const __m512 c2 = _mm512_set1_ps(t.scale * avx512::kLog2e);
+  float* sums = t.scratch;         // [mp]
+  float* maxima = t.scratch + mp;  // [mp] m_new
+  for (int64_t i0 = 0; i0 < mp; i0 += 16) {
+    const __mmask16 live = LaneMask(t.queries - i0);
+    const int64_t nq = std::min<int64_t>(16, t.queries - i0);
+    __m512 vmax = neg_inf;
+    for (int64_t j = 0; j < t.keys; ++j) {
+      __m512 x = _mm512_mul_ps(_mm512_loadu_ps(t.pt + j * t.ldp + i0), scale);
+      if (t.mask != nullptr) x = _mm512_mask_blend_ps(Allowed16(t, j, i0), neg_inf, x);
+      vmax = _mm512_max_ps(vmax, x);
+    }
+    // max_ps returns its second operand when one is NaN: a NaN logit may be
+    // dropped from vmax, but then it reaches the sum below.
+    if (_mm512_mask_cmp_ps_mask(live, vmax, _mm512_set1_ps(-avx512::kNegInf), _CMP_LT_OQ) != live) {
+      return false;
+    }
+    const __m512 old_max = _mm512_mask_loadu_ps(neg_inf, live, row_max + i0);
+    const __m512 m_new = _mm512_max_ps(old_max, vmax);
+    const __mmask16 none = _mm512_cmp_ps_mask(m_new, neg_inf, _CMP_EQ_OQ);
+    const __m512 shift = _mm512_mask_blend_ps(none, m_new, _mm512_setzero_ps());
+    const __m512 sum = StripToBf16(t, i0, nq, c2, _mm512_mul_ps(shift, log2e), p, ldpb);
+    // Terms <= 1 (an exponent <= 0 up to rounding), so only a NaN fails.
+    if (_mm512_mask_cmp_ps_mask(live, sum, _mm512_set1_ps(kLazySumLimit), _CMP_LE_OQ) != live) {
+      return false;
+    }
+    _mm512_store_ps(sums + i0, sum);
+    _mm512_store_ps(maxima + i0, m_new);
+  }
+  for (int64_t i0 = 0; i0 < mp; i0 += 16) {
+    const __mmask16 live = LaneMask(t.queries - i0);
+    const __m512 old_max = _mm512_mask_loadu_ps(neg_inf, live, row_max + i0);
+    const __m512 m_new = _mm512_load_ps(maxima + i0);
+    const __mmask16 none = _mm512_cmp_ps_mask(m_new, neg_inf, _CMP_EQ_OQ);
+    const __m512 shift = _mm512_mask_blend_ps(none, m_new, _mm512_setzero_ps());
+    const __m512 a = Exp512(_mm512_sub_ps(old_max, shift));
+    _mm512_mask_storeu_ps(alpha + i0, live, a);
+    const __m512 l =
+        _mm512_fmadd_ps(a, _mm512_maskz_loadu_ps(live, row_sum + i0), _mm512_load_ps(sums + i0));
+    _mm512_mask_storeu_ps(row_sum + i0, live, l);
+    _mm512_mask_storeu_ps(row_max + i0, live, m_new);
+  }
+  return true;
+}
+
 // GradOperandsBf16Fn: P^T as rows, dS^T as rows and transposed.
 void GradOperandsBf16(int64_t keys, int64_t queries, const float* pt, const float* ds, int64_t ldp,
                       uint16_t* pt_rows, uint16_t* ds_rows, int64_t ldr, uint16_t* ds_cols,
@@ -298,11 +371,15 @@ void GradOperandsBf16(int64_t keys, int64_t queries, const float* pt, const floa
   TileToBf16(keys, queries, ds, ldp, ds_rows, ldr, ds_cols, ldc);
 }
 
-// SoftmaxBf16Fn: the lazy step where it applies (no soft cap), else the
-// exact AVX-512 step in place and its P^T transposed to bf16 rows.
+// SoftmaxBf16Fn: without a soft cap the lazy step where it applies, else
+// ExactStepBf16; with one (or a logit past f32's range), the exact AVX-512
+// step in place and its P^T transposed to bf16 rows.
 void SoftmaxBf16(const TileArgs& t, float* row_max, float* row_sum, float* alpha, uint16_t* p,
                  int64_t ldpb) {
-  if (t.softcap == 0.0f && LazyStepBf16(t, row_max, row_sum, alpha, p, ldpb)) return;
+  if (t.softcap == 0.0f && (LazyStepBf16(t, row_max, row_sum, alpha, p, ldpb) ||
+                            ExactStepBf16(t, row_max, row_sum, alpha, p, ldpb))) {
+    return;
+  }
   avx512::SoftmaxColumns(t, row_max, row_sum, alpha);
   TileToBf16(t.keys, t.queries, t.pt, t.ldp, nullptr, 0, p, ldpb);
 }
