@@ -37,6 +37,7 @@
 #include <limits>
 #include <optional>
 #include <span>
+#include <utility>
 #include <vector>
 
 #include "src/kernels/combine.h"
@@ -596,9 +597,8 @@ class ForwardCall {
       key_ranges = ws.mask.keys_of_query();
     }
     if (bf16_) {
-      const int64_t d2 = RoundUp(g_.d, 2);
-      mk_.gemm_bf16(n, RoundUp(m, micro::kVec), d2 / 2, kv_->KeysBf16(b, h / g_.group, kvb),
-                    kv_->ldk_bf16(), s.qt_bf16.data(), g_.ld_q, t.pt, t.ldp, nullptr, false);
+      Bf16Scores(m, n, kv_->KeysBf16(b, h / g_.group, kvb), s, t,
+                 t.mask != nullptr ? ws.mask.queries_of_key() : micro::KRanges{});
       if (bf16_pv_) {  // P straight to bf16 rows for the tile P V
         mk_.softmax_bf16(t, s.row_max.data(), s.row_sum.data(), s.alpha.data(), ws.p_bf16.data(),
                          PvKeys(g_));
@@ -612,7 +612,7 @@ class ForwardCall {
     }
     // A block with no tile never reads acc.
     if (bf16_pv_) {
-      Bf16Pv(ws, m, n, s, w.computed > 0);
+      Bf16Pv(ws, m, n, s, w.computed > 0, key_ranges);
     } else {
       mk_.gemm_f32_ranges(m, g_.dvp, n, t.pt, 1, t.ldp, kvt.v, kvt.ldv, s.acc.data(), g_.ld_dv,
                           s.alpha.data(), w.computed > 0, key_ranges);
@@ -620,21 +620,81 @@ class ForwardCall {
     ++w.computed;
   }
 
+  // The union of ranges[r] (hi exclusive, lo == hi: none) over rows [r0,
+  // r1), widened to multiples of `unit`: [0, 0) if no row has any.
+  static std::pair<int64_t, int64_t> Span(micro::KRanges ranges, int64_t r0, int64_t r1,
+                                          int64_t unit) {
+    int64_t lo = std::numeric_limits<int64_t>::max(), hi = 0;
+    for (int64_t r = r0; r < r1; ++r) {
+      if (ranges.hi[r] <= ranges.lo[r]) continue;
+      lo = std::min<int64_t>(lo, ranges.lo[r]);
+      hi = std::max<int64_t>(hi, ranges.hi[r]);
+    }
+    if (hi == 0) return {0, 0};
+    return {lo / unit * unit, RoundUp(hi, unit)};
+  }
+
+  // S^T = K Q^T of the tile into t.pt (n keys x RoundUp(m, kVec) queries).
+  // In a partial tile (`queries`: each key's allowed queries) each panel of
+  // kPanel keys computes only the columns, in whole kPanel blocks, that some
+  // key of it may see: the rest of t.pt keeps stale values there, which
+  // every softmax step masks out before use (to -inf or a zero P), so P
+  // and the state are those of the full product. A diagonal or window-edge
+  // tile computes 10 of its 16 32 x 32 blocks.
+  void Bf16Scores(int64_t m, int64_t n, const uint16_t* keys, const BlockState& s,
+                  const micro::TileArgs& t, micro::KRanges queries) {
+    const int64_t d2 = RoundUp(g_.d, 2), mp = RoundUp(m, micro::kVec);
+    const int64_t ldk = kv_->ldk_bf16();
+    if (queries.lo == nullptr) {
+      mk_.gemm_bf16(n, mp, d2 / 2, keys, ldk, s.qt_bf16.data(), g_.ld_q, t.pt, t.ldp, nullptr,
+                    false);
+      return;
+    }
+    for (int64_t j = 0; j < n; j += kPanel) {
+      const int64_t rows = std::min(kPanel, n - j);
+      const auto [lo, hi] = Span(queries, j, j + rows, kPanel);
+      if (hi == lo) continue;
+      mk_.gemm_bf16(rows, std::min(hi, mp) - lo, d2 / 2, keys + j * ldk, ldk,
+                    s.qt_bf16.data() + 2 * lo, g_.ld_q, t.pt + j * t.ldp + lo, t.ldp, nullptr,
+                    false);
+    }
+  }
+
   // acc = diag(alpha) acc + P V on bf16 pairs: P is ws.p_bf16 (bf16 rows,
   // written by softmax_bf16), V is ws.v_pairs (packed by Group). The tile
   // GEMM cannot scale C, so rows whose alpha is not 1 (exact steps only:
-  // lazy steps leave alpha at 1) are scaled first.
-  void Bf16Pv(Workspace& ws, int64_t m, int64_t n, BlockState& s, bool accumulate) {
-    const int64_t keys = PvKeys(g_);
+  // lazy steps leave alpha at 1) are scaled first. In a partial tile (`keys`:
+  // each query's allowed keys) each panel of kPanel queries sums only the
+  // keys, in whole kPanel steps, that some query of it may see: P is zero
+  // elsewhere, so only exact zeros are left out (a query with none gets
+  // acc = 0 from its first tile, or keeps acc).
+  void Bf16Pv(Workspace& ws, int64_t m, int64_t n, BlockState& s, bool accumulate,
+              micro::KRanges keys) {
+    const int64_t ldp = PvKeys(g_);
     if (accumulate) {
       for (int64_t i = 0; i < m; ++i) {
         float* row = s.acc.data() + i * g_.ld_dv;
         if (s.alpha[i] != 1.0f) ScaleRow(row, row, g_.dvp, s.alpha[i], /*stream=*/false);
       }
     }
-    mk_.gemm_bf16(m, g_.dvp, RoundUp(n, 32) / 2, ws.p_bf16.data(), keys, ws.v_pairs.data(),
-                  g_.ld_dv, s.acc.data(), g_.ld_dv, nullptr, accumulate);
+    if (keys.lo == nullptr) {
+      mk_.gemm_bf16(m, g_.dvp, RoundUp(n, 32) / 2, ws.p_bf16.data(), ldp, ws.v_pairs.data(),
+                    g_.ld_dv, s.acc.data(), g_.ld_dv, nullptr, accumulate);
+      return;
+    }
+    for (int64_t i = 0; i < m; i += kPanel) {
+      const int64_t rows = std::min(kPanel, m - i);
+      const auto [lo, hi] = Span(keys, i, i + rows, kPanel);
+      if (hi == lo && accumulate) continue;
+      mk_.gemm_bf16(rows, g_.dvp, (hi - lo) / 2, ws.p_bf16.data() + i * ldp + lo, ldp,
+                    ws.v_pairs.data() + lo * g_.ld_dv, g_.ld_dv, s.acc.data() + i * g_.ld_dv,
+                    g_.ld_dv, nullptr, accumulate);
+    }
   }
+
+  // Panels of the bf16 products of partial tiles: the AMX kernel's C blocks
+  // (2 x 2 tiles of 16) and a step of 16 key pairs.
+  static constexpr int64_t kPanel = 32;
 
   const FlashParams& p_;
   const Geometry& g_;
