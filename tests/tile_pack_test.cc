@@ -8,9 +8,12 @@
 // pointer 2 bytes off alignment, an odd row stride, f16 data; row counts
 // and word counts off every multiple of 16. End results of the forward are
 // checked against the f64 reference in flash_kernel_test.cc.
+// Also GemmBf16Panels, the bf16 products of partial tiles over the panels
+// their mask ranges allow, against double sums.
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <random>
 #include <string>
@@ -157,6 +160,66 @@ TEST(BufferCacheTest, KeepsLargeBlocksForTheSameSize) {
   }
   ReleaseCachedThreads();  // the public entry point frees them too
   EXPECT_EQ(kernels::CachedBufferBytes(), 0u);
+}
+
+// GemmBf16Panels on every path with bf16 products: A's rows zero outside
+// their ranges (some rows empty, some panels wholly empty, ranges off every
+// multiple of 32), m off a multiple of the panel, k2 both a multiple of 16
+// pairs and not. Each C element against the double sum of the same bf16
+// products, which are exact in f32: an f32 sum of at most 2 k2 = 128 terms
+// errs by at most 128 u (u = 2^-24) of the sum of their magnitudes.
+// Panels without any allowed element: C = 0 exactly (accumulate false) or
+// untouched (true).
+TEST(TilePackTest, GemmBf16PanelsMatchDoubleSumsOfTheAllowedElements) {
+  std::mt19937 rng(11);
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  constexpr int64_t m = 72, n = 48, ldc = 56;
+  for (KernelPath path : SupportedKernelPaths()) {
+    const kernels::micro::MicroKernels& mk = kernels::micro::MicroKernelsFor(path);
+    if (mk.gemm_bf16 == nullptr) continue;
+    for (int64_t k2 : {24, 64}) {
+      const int64_t lda = 2 * k2 + 8, ldb = n + 16;
+      std::vector<int32_t> lo(m), hi(m);
+      std::vector<uint16_t> a(static_cast<size_t>(m * lda), 0),
+          b(static_cast<size_t>(k2 * ldb * 2));
+      for (int64_t i = 0; i < m; ++i) {
+        // Rows 32 .. 63 (the second panel) have nothing; every 5th row none.
+        const bool none = (i >= 32 && i < 64) || i % 5 == 0;
+        lo[i] = none ? 0 : static_cast<int32_t>((7 * i) % (2 * k2));
+        hi[i] =
+            none ? 0 : std::min<int32_t>(static_cast<int32_t>(2 * k2), lo[i] + 1 + (11 * i) % 37);
+        for (int64_t e = lo[i]; e < hi[i]; ++e) a[i * lda + e] = F32ToBF16(u(rng));
+      }
+      for (auto& x : b) x = F32ToBF16(u(rng));
+      for (bool accumulate : {false, true}) {
+        const std::string what = std::string(KernelPathName(path)) + " k2 " + std::to_string(k2) +
+                                 (accumulate ? " accumulate" : "");
+        std::vector<float> c(static_cast<size_t>(m * ldc)), c0(c.size());
+        for (auto& x : c0) x = u(rng);
+        c = c0;
+        kernels::GemmBf16Panels(mk, m, n, k2, a.data(), lda, b.data(), ldb, c.data(), ldc,
+                                accumulate, kernels::micro::KRanges{lo.data(), hi.data()});
+        for (int64_t i = 0; i < m; ++i) {
+          for (int64_t j = 0; j < n; ++j) {
+            double sum = 0, magnitude = 0;
+            for (int64_t e = 0; e < 2 * k2; ++e) {
+              const double x =
+                  double{BF16ToF32(a[i * lda + e])} * BF16ToF32(b[((e / 2) * ldb + j) * 2 + e % 2]);
+              sum += x;
+              magnitude += std::abs(x);
+            }
+            const float got = c[i * ldc + j], start = accumulate ? c0[i * ldc + j] : 0.0f;
+            if (i >= 32 && i < 64) {
+              EXPECT_EQ(got, start) << what << " empty panel i=" << i << " j=" << j;
+              continue;
+            }
+            EXPECT_NEAR(got, start + sum, 128 * 0x1p-24 * (magnitude + std::abs(start)))
+                << what << " i=" << i << " j=" << j;
+          }
+        }
+      }
+    }
+  }
 }
 
 }  // namespace

@@ -365,21 +365,21 @@ void AccumulateKv(const Context& c, const QTile& qs, int64_t qb, int64_t kvb, fl
                   const Workspace& ws, bool accumulate) {
   const Geometry& g = c.g;
   const int64_t m = g.QRows(qb), n = g.KvRows(kvb);
+  // In a partial tile, key j's rows of P^T and dS^T are zero outside the
+  // queries that may see it (masked lanes are written as 0): the products
+  // skip those (docs/perf/DESIGN_MEASUREMENTS.md: masked ranges
+  // in the backward), the bf16 ones per panel of keys (GemmBf16Panels).
+  const micro::KRanges ranges = ws.masked ? ws.mask.queries_of_key() : micro::KRanges();
   if (c.tile_products) {
     // k over the tile's mp query lanes: pairs of P^T / dS^T rows with those
     // of Q / dO (zero beyond m on both sides).
     const int64_t k2 = RoundUp(m, micro::kVec) / 2;
-    c.mk.gemm_bf16(n, g.dvp, k2, ws.pt_bf16.data(), g.ld_q, qs.do_pairs, g.ld_dv, dv, g.ld_dv,
-                   nullptr, accumulate);
-    c.mk.gemm_bf16(n, g.dp, k2, ws.ds_bf16.data(), g.ld_q, qs.q_pairs, g.ld_d, dk, g.ld_d, nullptr,
-                   accumulate);
+    GemmBf16Panels(c.mk, n, g.dvp, k2, ws.pt_bf16.data(), g.ld_q, qs.do_pairs, g.ld_dv, dv, g.ld_dv,
+                   accumulate, ranges);
+    GemmBf16Panels(c.mk, n, g.dp, k2, ws.ds_bf16.data(), g.ld_q, qs.q_pairs, g.ld_d, dk, g.ld_d,
+                   accumulate, ranges);
     return;
   }
-  // In a partial tile, key j's rows of P^T and dS^T are zero outside the
-  // queries that may see it (masked lanes are written as 0): the products
-  // skip those (docs/perf/DESIGN_MEASUREMENTS.md: masked ranges
-  // in the backward).
-  const micro::KRanges ranges = ws.masked ? ws.mask.queries_of_key() : micro::KRanges();
   c.mk.gemm_f32_ranges(n, g.dvp, m, ws.pt.data(), g.ld_q, 1, qs.dout, g.ld_dv, dv, g.ld_dv, nullptr,
                        accumulate, ranges);
   c.mk.gemm_f32_ranges(n, g.dp, m, ws.ds.data(), g.ld_q, 1, qs.q, g.ld_d, dk, g.ld_d, nullptr,
@@ -391,16 +391,16 @@ void AccumulateKv(const Context& c, const QTile& qs, int64_t qb, int64_t kvb, fl
 void AccumulateQ(const Context& c, const KvTile& kvt, int64_t qb, int64_t kvb, int64_t slot,
                  float* dq, const Workspace& ws, bool accumulate) {
   const Geometry& g = c.g;
+  // Query i's column of dS^T is zero outside the keys it may see.
+  const micro::KRanges ranges = ws.masked ? ws.mask.keys_of_query() : micro::KRanges();
   if (c.tile_products) {
-    c.mk.gemm_bf16(g.QRows(qb), g.dp, RoundUp(g.KvRows(kvb), 2) / 2, ws.dsq_bf16.data(),
-                   RoundUp(g.bkv, 32), ws.k_pairs[slot].data(), g.ld_d, dq, g.ld_d, nullptr,
-                   accumulate);
+    GemmBf16Panels(c.mk, g.QRows(qb), g.dp, RoundUp(g.KvRows(kvb), 2) / 2, ws.dsq_bf16.data(),
+                   RoundUp(g.bkv, 32), ws.k_pairs[slot].data(), g.ld_d, dq, g.ld_d, accumulate,
+                   ranges);
     return;
   }
-  // Query i's column of dS^T is zero outside the keys it may see.
   c.mk.gemm_f32_ranges(g.QRows(qb), g.dp, g.KvRows(kvb), ws.ds.data(), 1, g.ld_q, kvt.k, kvt.ldk,
-                       dq, g.ld_d, nullptr, accumulate,
-                       ws.masked ? ws.mask.keys_of_query() : micro::KRanges());
+                       dq, g.ld_d, nullptr, accumulate, ranges);
 }
 
 void CountTile(BlockKind kind, const Geometry& g, int64_t m, int64_t n, WorkerStats& st) {

@@ -620,23 +620,9 @@ class ForwardCall {
     ++w.computed;
   }
 
-  // The union of ranges[r] (hi exclusive, lo == hi: none) over rows [r0,
-  // r1), widened to multiples of `unit`: [0, 0) if no row has any.
-  static std::pair<int64_t, int64_t> Span(micro::KRanges ranges, int64_t r0, int64_t r1,
-                                          int64_t unit) {
-    int64_t lo = std::numeric_limits<int64_t>::max(), hi = 0;
-    for (int64_t r = r0; r < r1; ++r) {
-      if (ranges.hi[r] <= ranges.lo[r]) continue;
-      lo = std::min<int64_t>(lo, ranges.lo[r]);
-      hi = std::max<int64_t>(hi, ranges.hi[r]);
-    }
-    if (hi == 0) return {0, 0};
-    return {lo / unit * unit, RoundUp(hi, unit)};
-  }
-
   // S^T = K Q^T of the tile into t.pt (n keys x RoundUp(m, kVec) queries).
   // In a partial tile (`queries`: each key's allowed queries) each panel of
-  // kPanel keys computes only the columns, in whole kPanel blocks, that some
+  // kBf16Panel keys computes only the columns, in whole kBf16Panel blocks, that some
   // key of it may see: the rest of t.pt keeps stale values there, which
   // every softmax step masks out before use (to -inf or a zero P), so P
   // and the state are those of the full product. A diagonal or window-edge
@@ -650,9 +636,9 @@ class ForwardCall {
                     false);
       return;
     }
-    for (int64_t j = 0; j < n; j += kPanel) {
-      const int64_t rows = std::min(kPanel, n - j);
-      const auto [lo, hi] = Span(queries, j, j + rows, kPanel);
+    for (int64_t j = 0; j < n; j += kBf16Panel) {
+      const int64_t rows = std::min(kBf16Panel, n - j);
+      const auto [lo, hi] = RangeSpan(queries, j, j + rows, kBf16Panel);
       if (hi == lo) continue;
       mk_.gemm_bf16(rows, std::min(hi, mp) - lo, d2 / 2, keys + j * ldk, ldk,
                     s.qt_bf16.data() + 2 * lo, g_.ld_q, t.pt + j * t.ldp + lo, t.ldp, nullptr,
@@ -664,10 +650,8 @@ class ForwardCall {
   // written by softmax_bf16), V is ws.v_pairs (packed by Group). The tile
   // GEMM cannot scale C, so rows whose alpha is not 1 (exact steps only:
   // lazy steps leave alpha at 1) are scaled first. In a partial tile (`keys`:
-  // each query's allowed keys) each panel of kPanel queries sums only the
-  // keys, in whole kPanel steps, that some query of it may see: P is zero
-  // elsewhere, so only exact zeros are left out (a query with none gets
-  // acc = 0 from its first tile, or keeps acc).
+  // each query's allowed keys, where P is not zero) per panel of queries
+  // only the keys some query of it may see (GemmBf16Panels).
   void Bf16Pv(Workspace& ws, int64_t m, int64_t n, BlockState& s, bool accumulate,
               micro::KRanges keys) {
     const int64_t ldp = PvKeys(g_);
@@ -677,24 +661,9 @@ class ForwardCall {
         if (s.alpha[i] != 1.0f) ScaleRow(row, row, g_.dvp, s.alpha[i], /*stream=*/false);
       }
     }
-    if (keys.lo == nullptr) {
-      mk_.gemm_bf16(m, g_.dvp, RoundUp(n, 32) / 2, ws.p_bf16.data(), ldp, ws.v_pairs.data(),
-                    g_.ld_dv, s.acc.data(), g_.ld_dv, nullptr, accumulate);
-      return;
-    }
-    for (int64_t i = 0; i < m; i += kPanel) {
-      const int64_t rows = std::min(kPanel, m - i);
-      const auto [lo, hi] = Span(keys, i, i + rows, kPanel);
-      if (hi == lo && accumulate) continue;
-      mk_.gemm_bf16(rows, g_.dvp, (hi - lo) / 2, ws.p_bf16.data() + i * ldp + lo, ldp,
-                    ws.v_pairs.data() + lo * g_.ld_dv, g_.ld_dv, s.acc.data() + i * g_.ld_dv,
-                    g_.ld_dv, nullptr, accumulate);
-    }
+    GemmBf16Panels(mk_, m, g_.dvp, RoundUp(n, 32) / 2, ws.p_bf16.data(), ldp, ws.v_pairs.data(),
+                   g_.ld_dv, s.acc.data(), g_.ld_dv, accumulate, keys);
   }
-
-  // Panels of the bf16 products of partial tiles: the AMX kernel's C blocks
-  // (2 x 2 tiles of 16) and a step of 16 key pairs.
-  static constexpr int64_t kPanel = 32;
 
   const FlashParams& p_;
   const Geometry& g_;

@@ -3,9 +3,11 @@
 
 #include <algorithm>
 #include <atomic>
+#include <climits>
 #include <cstdint>
 #include <cstring>
 #include <span>
+#include <utility>
 
 #include "src/kernels/micro/micro.h"
 #include "src/kernels/poison.h"
@@ -447,6 +449,38 @@ void PackTransposedPairsBf16(const micro::MicroKernels& mk, const TensorView& t,
   // AVX-512 tables, the only ones with bf16 products), which may alias.
   mk.transpose_f32(rows, cols / 2, reinterpret_cast<const float*>(first), t.stride[1] / 2,
                    reinterpret_cast<float*>(dst), ld);
+}
+
+std::pair<int64_t, int64_t> RangeSpan(micro::KRanges ranges, int64_t r0, int64_t r1, int64_t unit) {
+  int64_t lo = INT64_MAX, hi = 0;
+  for (int64_t r = r0; r < r1; ++r) {
+    if (ranges.hi[r] <= ranges.lo[r]) continue;
+    lo = std::min<int64_t>(lo, ranges.lo[r]);
+    hi = std::max<int64_t>(hi, ranges.hi[r]);
+  }
+  if (hi == 0) return {0, 0};
+  return {lo / unit * unit, micro::RoundUp(hi, unit)};
+}
+
+void GemmBf16Panels(const micro::MicroKernels& mk, int64_t m, int64_t n, int64_t k2,
+                    const uint16_t* a, int64_t lda, const uint16_t* b, int64_t ldb, float* c,
+                    int64_t ldc, bool accumulate, micro::KRanges ranges) {
+  if (ranges.lo == nullptr) {
+    mk.gemm_bf16(m, n, k2, a, lda, b, ldb, c, ldc, nullptr, accumulate);
+    return;
+  }
+  for (int64_t i = 0; i < m; i += kBf16Panel) {
+    const int64_t rows = std::min(kBf16Panel, m - i);
+    auto [lo, hi] = RangeSpan(ranges, i, i + rows, kBf16Panel);
+    hi = std::min(hi, 2 * k2);
+    if (hi <= lo) {
+      if (accumulate) continue;
+      lo = hi = 0;  // k2 = 0: C = 0
+    }
+    // Element lo of A's rows is pair lo / 2, B's pair row lo / 2.
+    mk.gemm_bf16(rows, n, (hi - lo) / 2, a + i * lda + lo, lda, b + lo * ldb, ldb, c + i * ldc, ldc,
+                 nullptr, accumulate);
+  }
 }
 
 void AddStats(const std::vector<WorkerStats>& per_worker, KernelStats* stats) {

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <optional>
 #include <span>
+#include <utility>
 #include <vector>
 
 #include "ringsplash/attention.h"
@@ -296,6 +297,27 @@ T* Grow(AlignedBuffer<T>& buf, int64_t n) {
   if (buf.size() < static_cast<size_t>(n)) buf.Resize(static_cast<size_t>(n));
   return buf.data();
 }
+
+// The bf16 products of partial tiles skip what the mask rules out in
+// panels of this many rows (keys or queries) and steps of this many
+// elements: the AMX kernel's C blocks (2 x 2 tiles of 16) and one step of
+// 16 pairs.
+inline constexpr int64_t kBf16Panel = 32;
+
+// The union of ranges[r] (hi exclusive, lo == hi: none) over rows [r0, r1),
+// widened to multiples of `unit`: {0, 0} when no row has any.
+std::pair<int64_t, int64_t> RangeSpan(micro::KRanges ranges, int64_t r0, int64_t r1, int64_t unit);
+
+// GemmBf16Fn's C (+)= A B (m x n, k2 pairs) where row i of A is zero
+// outside its elements [ranges.lo[i], ranges.hi[i]) (TileMask's ranges:
+// P or dS rows of a partial tile): per panel of kBf16Panel rows, only the
+// pairs some row of it needs, in whole kBf16Panel-element steps. So only
+// exact zeros are left out (up to the sign of a zero sum); a panel that
+// needs none is zero with accumulate false and left as it is with true.
+// A null ranges.lo: the whole product, one call.
+void GemmBf16Panels(const micro::MicroKernels& mk, int64_t m, int64_t n, int64_t k2,
+                    const uint16_t* a, int64_t lda, const uint16_t* b, int64_t ldb, float* c,
+                    int64_t ldc, bool accumulate, micro::KRanges ranges);
 
 // Integer counters per worker; Total() sums them in worker order.
 struct WorkerStats {
