@@ -1,12 +1,14 @@
 // Tests of the micro-kernels' row copies (src/kernels/micro/micro.h:
-// transpose_f32, copy_rows_f32, widen_rows_bf16) on every supported
+// transpose_f32, copy_rows_f32, widen_rows_bf16, any_non_finite16) on every supported
 // KernelPath: exact bit patterns, zero padding, nothing written past the
 // rows, and the NaN/Inf report the non-finite check relies on.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <string>
 #include <vector>
 
 #include "ringsplash/attention.h"
@@ -151,6 +153,49 @@ TEST(MicroKernelTest, WidenRowsBf16IsExactPadsAndFindsNonFinite) {
               }
             }
             EXPECT_EQ(dst[static_cast<size_t>(rows * ldd)], 7.0f);  // nothing beyond the rows
+          }
+        }
+      }
+    }
+  }
+}
+
+// any_non_finite16 (the AVX-512 tables) against the scalar classification
+// of every value: bf16 and f16 rows with a NaN in every element past cols
+// (the stride gap it must not read as its own), the largest finite values
+// and 0 elsewhere; then one NaN, +inf or -inf at a time, at the first, a
+// middle and the last element (cols off every multiple of 32).
+TEST(MicroKernelTest, AnyNonFinite16FindsExactlyNaNAndInf) {
+  for (KernelPath path : SupportedKernelPaths()) {
+    const kernels::micro::MicroKernels& mk = kernels::micro::MicroKernelsFor(path);
+    if (mk.any_non_finite16 == nullptr) continue;
+    for (bool bf16 : {true, false}) {
+      const uint16_t inf = bf16 ? 0x7F80 : 0x7C00, nan = bf16 ? 0x7FC0 : 0x7E00;
+      const uint16_t largest = bf16 ? 0x7F7F : 0x7BFF;  // finite: must not count
+      for (int64_t rows : {1, 5}) {
+        for (int64_t cols : {1, 31, 32, 45, 128}) {
+          const int64_t lds = cols + 19;
+          std::vector<uint16_t> src(static_cast<size_t>(rows * lds));
+          for (int64_t r = 0; r < rows; ++r) {
+            for (int64_t c = 0; c < lds; ++c) {
+              src[static_cast<size_t>(r * lds + c)] =
+                  c >= cols ? nan : ((r + c) % 3 == 0 ? largest : uint16_t(largest | 0x8000));
+            }
+          }
+          const std::string what = std::string(KernelPathName(path)) + (bf16 ? " bf16" : " f16") +
+                                   " rows " + std::to_string(rows) + " cols " +
+                                   std::to_string(cols);
+          EXPECT_FALSE(mk.any_non_finite16(src.data(), lds, rows, cols, inf)) << what;
+          for (uint16_t bad : {nan, inf, uint16_t(inf | 0x8000)}) {
+            for (int64_t at :
+                 {int64_t{0}, (rows / 2) * lds + cols / 2, (rows - 1) * lds + cols - 1}) {
+              std::vector<uint16_t> poisoned = src;
+              poisoned[static_cast<size_t>(at)] = bad;
+              const float value = bf16 ? BF16ToF32(bad) : F16ToF32(bad);
+              ASSERT_FALSE(std::isfinite(value));
+              EXPECT_TRUE(mk.any_non_finite16(poisoned.data(), lds, rows, cols, inf))
+                  << what << " value " << value << " at " << at;
+            }
           }
         }
       }

@@ -6,6 +6,7 @@
 #include <cstring>
 #include <limits>
 
+#include "src/kernels/micro/micro.h"
 #include "src/kernels/thread_pool.h"
 
 namespace ringsplash::kernels {
@@ -141,8 +142,14 @@ bool NonFiniteAt(const TensorView& t, int64_t offset) {
   return NonFiniteBits(t.dtype, t.data, offset);
 }
 
-bool AnyNonFinite(const TensorView& t, int64_t b, int64_t s0, int64_t rows, int64_t head) {
+bool AnyNonFinite(const TensorView& t, int64_t b, int64_t s0, int64_t rows, int64_t head,
+                  const micro::MicroKernels* mk) {
   const int64_t x = t.shape[3];
+  const bool half = t.dtype == DType::kBF16 || t.dtype == DType::kF16;
+  if (mk != nullptr && mk->any_non_finite16 != nullptr && half && t.stride[3] == 1 && rows > 0) {
+    return mk->any_non_finite16(static_cast<const uint16_t*>(t.data) + t.Offset(b, s0, head),
+                                t.stride[1], rows, x, t.dtype == DType::kBF16 ? 0x7F80 : 0x7C00);
+  }
   // Strided rows (other heads in between) defeat the hardware prefetchers,
   // and row after row each miss would be waited for in turn: ask for every
   // line first, so the misses overlap.

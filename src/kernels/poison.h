@@ -33,6 +33,10 @@
 #include "ringsplash/tensor.h"
 #include "src/kernels/validate.h"
 
+namespace ringsplash::kernels::micro {
+struct MicroKernels;
+}  // namespace ringsplash::kernels::micro
+
 namespace ringsplash::kernels {
 
 class ThreadPool;
@@ -46,8 +50,10 @@ bool NonFiniteAt(const TensorView& t, int64_t offset);
 
 // Whether rows [s0, s0 + rows) of head `head` of batch b of a 4-D float view
 // [B, S, Heads, X] hold a NaN or an infinity. (The kernels' own check of the
-// rows they read, FlashParams::non_finite.)
-bool AnyNonFinite(const TensorView& t, int64_t b, int64_t s0, int64_t rows, int64_t head);
+// rows they read, FlashParams::non_finite.) 16-bit rows of unit inner
+// stride go to mk's any_non_finite16 where the table has one.
+bool AnyNonFinite(const TensorView& t, int64_t b, int64_t s0, int64_t rows, int64_t head,
+                  const micro::MicroKernels* mk = nullptr);
 
 // Which (query row, key row) pairs are allowed: the mask on positions and
 // equal segment ids. The views may be undefined (no segment ids).

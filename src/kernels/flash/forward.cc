@@ -510,7 +510,7 @@ class ForwardCall {
     bool bad = false;  // a NaN or inf in the block's q rows
     if (bf16_) {
       PackTransposedPairsBf16(mk_, p_.q, b, h, qb * g_.bq, m, s.qt_bf16.data(), g_.ld_q);
-      bad = check_ && AnyNonFinite(p_.q, b, qb * g_.bq, m, h);
+      bad = check_ && AnyNonFinite(p_.q, b, qb * g_.bq, m, h, &mk_);
     } else {
       bad = PackTransposed(mk_, p_.q, b, h, qb * g_.bq, m, s.qt.data(), g_.ld_q);
     }

@@ -98,6 +98,14 @@ using CopyRowsF32Fn = bool (*)(const float* src, int64_t lds, int64_t rows, int6
 // otherwise widen all of K and V once per call into fresh memory.
 using WidenRowsBf16Fn = bool (*)(const uint16_t* src, int64_t lds, int64_t rows, int64_t cols,
                                  float* dst, int64_t ldd);
+// Whether rows x cols 16-bit floats (row r at src + r * lds) hold a NaN or
+// an infinity: |bits| >= inf, the exponent all ones (bf16 0x7F80, f16
+// 0x7C00). The NaN/Inf check of bf16 (f16) q, k and v rows read in place,
+// as by the bf16 products (FlashParams::non_finite): a plain loop over
+// 16-bit lanes took ~20 % of an amx window forward (docs/perf/XEON_HOST.md).
+// Only on the AVX-512 tables; else poison.cc's loop.
+using AnyNonFinite16Fn = bool (*)(const uint16_t* src, int64_t lds, int64_t rows, int64_t cols,
+                                  uint16_t inf);
 
 // --- Tiles in the transposed layout -------------------------------------------
 // The flash loops hold score tiles TRANSPOSED: S^T = K Q^T with keys as rows
@@ -255,6 +263,7 @@ struct MicroKernels {
   TransposeF32Fn transpose_f32 = nullptr;
   CopyRowsF32Fn copy_rows_f32 = nullptr;
   WidenRowsBf16Fn widen_rows_bf16 = nullptr;
+  AnyNonFinite16Fn any_non_finite16 = nullptr;  // only on the AVX-512 tables
   MaskBitsFn mask_bits = nullptr;
   SoftmaxColumnsFn softmax_columns = nullptr;
   ForwardTileFn forward_tile = nullptr;

@@ -64,6 +64,28 @@ bool CopyRowsAsF32(const T* src, int64_t lds, int64_t rows, int64_t cols, float*
   return check.Any();
 }
 
+// any_non_finite16: every row's lines requested first (rows of one head
+// lie other heads apart, which the hardware prefetchers do not follow, so
+// the misses overlap), then 32 lanes per compare.
+bool AnyNonFinite16(const uint16_t* src, int64_t lds, int64_t rows, int64_t cols, uint16_t inf) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const char* row = reinterpret_cast<const char*>(src + r * lds);
+    for (int64_t o = 0; o < cols * 2; o += 64) _mm_prefetch(row + o, _MM_HINT_T0);
+  }
+  const __m512i magnitude = _mm512_set1_epi16(0x7FFF), limit = _mm512_set1_epi16(inf);
+  __mmask32 bad = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint16_t* row = src + r * lds;
+    for (int64_t c = 0; c < cols; c += 32) {
+      const int64_t left = cols - c;
+      const __mmask32 in = left >= 32 ? ~__mmask32{0} : (__mmask32{1} << left) - 1;
+      const __m512i v = _mm512_and_si512(_mm512_maskz_loadu_epi16(in, row + c), magnitude);
+      bad |= _mm512_mask_cmpge_epu16_mask(in, v, limit);
+    }
+  }
+  return bad != 0;
+}
+
 }  // namespace
 }  // namespace avx512
 
@@ -77,6 +99,7 @@ const MicroKernels& Avx512MicroKernels() {
     t.transpose_f32 = avx512::TransposeF32;
     t.copy_rows_f32 = avx512::CopyRowsAsF32<float>;
     t.widen_rows_bf16 = avx512::CopyRowsAsF32<uint16_t>;
+    t.any_non_finite16 = avx512::AnyNonFinite16;
     t.softmax_columns = avx512::SoftmaxColumns;
     t.forward_tile = avx512::ForwardTile;
     t.backward_tile = avx512::BackwardTile;

@@ -306,8 +306,9 @@ KvRows::KvRows(const FlashParams& p, const Geometry& g, KeyFormat keys, double u
 bool KvRows::NonFinite(const FlashParams& p, int64_t b, int64_t kh, int64_t kvb) const {
   const int64_t s0 = kvb * g_.bkv, n = g_.KvRows(kvb);
   if (!packed_bad_.empty() && packed_bad_[static_cast<size_t>(Tile(b, kh, kvb))] != 0) return true;
-  return (!k_checked_ && AnyNonFinite(p.k, b, s0, n, kh)) ||
-         (!v_checked_ && AnyNonFinite(p.v, b, s0, n, kh));
+  const micro::MicroKernels& mk = micro::MicroKernelsFor(p.path);
+  return (!k_checked_ && AnyNonFinite(p.k, b, s0, n, kh, &mk)) ||
+         (!v_checked_ && AnyNonFinite(p.v, b, s0, n, kh, &mk));
 }
 
 const float* KvRows::Keys(int64_t b, int64_t kh, int64_t kvb) const {
