@@ -88,6 +88,13 @@ int main(int argc, char** argv) {
     } else if (mode == "split-abort" || mode == "split-silent") {
       std::unique_ptr<Communicator> group = comm->Split(rank % 2, rank);
       ShiftRounds(*group, 3, rank == a, mode == "split-abort");
+      // The other group's ranks finish at once: in the barrier they would
+      // time out (1 s) about when the silent rank's partner does in its
+      // shift, and whichever reports first ends the job, so the partner's
+      // message naming the group would be a race. They wait 3 s first.
+      if (mode == "split-silent" && rank % 2 != a % 2) {
+        std::this_thread::sleep_for(std::chrono::seconds(3));
+      }
       comm->Barrier();
     } else if (mode == "ring" || mode == "ring-bwd") {
       ringsplash::FaultSpec f;
