@@ -629,8 +629,9 @@ TEST(MicroKernelTest, SoftmaxColumnsAndForwardTileMatchDoubleMath) {
 // step (ExactStepBf16) declines it and the f32 step's result stands, so
 // SoftmaxBf16Fn gives bit for bit what SoftmaxColumnsFn does on the same
 // products and state, with P rounded to bf16 rows (what it gave before that
-// step existed). From a finite state (the lazy step fails on its +inf sum)
-// and from none (even queries).
+// step existed). From a state finite for every query (the lazy step runs
+// and fails on the +inf sum), and from one without a max for the even
+// queries (the lazy step declines at once).
 TEST(MicroKernelTest, SoftmaxBf16WithAnInfiniteProductAsTheF32Step) {
   Rng rng(9);
   constexpr int64_t nq = RandomTile::kQueries, kLdp = 32;
@@ -641,41 +642,45 @@ TEST(MicroKernelTest, SoftmaxBf16WithAnInfiniteProductAsTheF32Step) {
     const kernels::micro::MicroKernels& mk = kernels::micro::MicroKernelsFor(path);
     if (mk.softmax_bf16 == nullptr) continue;
     for (bool masked : {false, true}) {
-      const std::string what = std::string(KernelPathName(path)) + (masked ? " masked" : "");
-      RandomTile tile(rng, 1.0f);
-      StoreProducts(tile);
-      tile.pt[5 * RandomTile::kLd + 6] =
-          std::numeric_limits<float>::infinity();  // query 6 sees key 5
-      tile.mask[5 * RandomTile::kLd + 6] = 1;
-      tile.bits[5 * (RandomTile::kLd / 16)] |= uint16_t{1u << 6};
-      std::vector<float> max0(nq), sum0(nq);
-      for (int64_t i = 0; i < nq; ++i) {
-        max0[i] = i % 2 == 0 ? -kInf : 2.0f;
-        sum0[i] = i % 2 == 0 ? 0.0f : 1.5f;
-      }
-      const std::vector<float> raw = tile.pt;
-      std::vector<float> max_c = max0, sum_c = sum0, alpha_c(nq);
-      mk.softmax_columns(tile.Args(masked, 0.0f), max_c.data(), sum_c.data(), alpha_c.data());
-      const std::vector<float> p_columns = tile.pt;
-      tile.pt = raw;
-      std::vector<float> max_b = max0, sum_b = sum0, alpha_b(nq);
-      std::vector<uint16_t> p(static_cast<size_t>(nq * kLdp));
-      mk.softmax_bf16(tile.Args(masked, 0.0f), max_b.data(), sum_b.data(), alpha_b.data(), p.data(),
-                      kLdp);
-      for (int64_t i = 0; i < nq; ++i) {
-        EXPECT_TRUE(same(max_b[i], max_c[i])) << what << " row_max " << i;
-        EXPECT_TRUE(same(sum_b[i], sum_c[i])) << what << " row_sum " << i;
-        EXPECT_TRUE(same(alpha_b[i], alpha_c[i])) << what << " alpha " << i;
-        for (int64_t j = 0; j < RandomTile::kKeys; ++j) {
-          const float want = p_columns[j * RandomTile::kLd + i];
-          const uint16_t got = p[static_cast<size_t>(i * kLdp + j)];
-          EXPECT_TRUE((std::isnan(want) && std::isnan(BF16ToF32(got))) || got == F32ToBF16(want))
-              << what << " P " << i << " " << j;
+      for (bool all_finite : {true, false}) {
+        const std::string what = std::string(KernelPathName(path)) + (masked ? " masked" : "") +
+                                 (all_finite ? " finite state" : " even queries new");
+        RandomTile tile(rng, 1.0f);
+        StoreProducts(tile);
+        tile.pt[5 * RandomTile::kLd + 6] =
+            std::numeric_limits<float>::infinity();  // query 6 sees key 5
+        tile.mask[5 * RandomTile::kLd + 6] = 1;
+        tile.bits[5 * (RandomTile::kLd / 16)] |= uint16_t{1u << 6};
+        std::vector<float> max0(nq), sum0(nq);
+        for (int64_t i = 0; i < nq; ++i) {
+          const bool fresh = !all_finite && i % 2 == 0;
+          max0[i] = fresh ? -kInf : 2.0f;
+          sum0[i] = fresh ? 0.0f : 1.5f;
         }
+        const std::vector<float> raw = tile.pt;
+        std::vector<float> max_c = max0, sum_c = sum0, alpha_c(nq);
+        mk.softmax_columns(tile.Args(masked, 0.0f), max_c.data(), sum_c.data(), alpha_c.data());
+        const std::vector<float> p_columns = tile.pt;
+        tile.pt = raw;
+        std::vector<float> max_b = max0, sum_b = sum0, alpha_b(nq);
+        std::vector<uint16_t> p(static_cast<size_t>(nq * kLdp));
+        mk.softmax_bf16(tile.Args(masked, 0.0f), max_b.data(), sum_b.data(), alpha_b.data(),
+                        p.data(), kLdp);
+        for (int64_t i = 0; i < nq; ++i) {
+          EXPECT_TRUE(same(max_b[i], max_c[i])) << what << " row_max " << i;
+          EXPECT_TRUE(same(sum_b[i], sum_c[i])) << what << " row_sum " << i;
+          EXPECT_TRUE(same(alpha_b[i], alpha_c[i])) << what << " alpha " << i;
+          for (int64_t j = 0; j < RandomTile::kKeys; ++j) {
+            const float want = p_columns[j * RandomTile::kLd + i];
+            const uint16_t got = p[static_cast<size_t>(i * kLdp + j)];
+            EXPECT_TRUE((std::isnan(want) && std::isnan(BF16ToF32(got))) || got == F32ToBF16(want))
+                << what << " P " << i << " " << j;
+          }
+        }
+        EXPECT_TRUE(std::isnan(sum_b[6]) || std::isinf(sum_b[6]) || std::isnan(max_b[6]) ||
+                    std::isinf(max_b[6]))
+            << what << ": the test's +inf product did not reach query 6";
       }
-      EXPECT_TRUE(std::isnan(sum_b[6]) || std::isinf(sum_b[6]) || std::isnan(max_b[6]) ||
-                  std::isinf(max_b[6]))
-          << what << ": the test's +inf product did not reach query 6";
     }
   }
 }

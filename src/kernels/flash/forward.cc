@@ -627,12 +627,12 @@ class ForwardCall {
   // every softmax step masks out before use (to -inf or a zero P), so P
   // and the state are those of the full product. A diagonal or window-edge
   // tile computes 10 of its 16 32 x 32 blocks.
-  void Bf16Scores(int64_t m, int64_t n, const uint16_t* keys, const BlockState& s,
+  void Bf16Scores(int64_t m, int64_t n, const uint16_t* k_rows, const BlockState& s,
                   const micro::TileArgs& t, micro::KRanges queries) {
     const int64_t d2 = RoundUp(g_.d, 2), mp = RoundUp(m, micro::kVec);
     const int64_t ldk = kv_->ldk_bf16();
     if (queries.lo == nullptr) {
-      mk_.gemm_bf16(n, mp, d2 / 2, keys, ldk, s.qt_bf16.data(), g_.ld_q, t.pt, t.ldp, nullptr,
+      mk_.gemm_bf16(n, mp, d2 / 2, k_rows, ldk, s.qt_bf16.data(), g_.ld_q, t.pt, t.ldp, nullptr,
                     false);
       return;
     }
@@ -640,7 +640,7 @@ class ForwardCall {
       const int64_t rows = std::min(kBf16Panel, n - j);
       const auto [lo, hi] = RangeSpan(queries, j, j + rows, kBf16Panel);
       if (hi == lo) continue;
-      mk_.gemm_bf16(rows, std::min(hi, mp) - lo, d2 / 2, keys + j * ldk, ldk,
+      mk_.gemm_bf16(rows, std::min(hi, mp) - lo, d2 / 2, k_rows + j * ldk, ldk,
                     s.qt_bf16.data() + 2 * lo, g_.ld_q, t.pt + j * t.ldp + lo, t.ldp, nullptr,
                     false);
     }

@@ -173,6 +173,10 @@ constexpr float kLazySumLimit = 1048576.0f;  // 2^20
 //   p[i * ldpb + j] = bf16(P^T_ji) for i < queries, j < keys, and zero for
 //   keys <= j < RoundUp(keys, 32) <= ldpb.
 // t.pt is clobbered; t.scratch as for the other steps (TileArgs).
+// Both steps on stored products (this and SoftmaxColumnsFn) mask every
+// element before using it, so masked entries of t.pt may hold anything (the
+// bf16 forward leaves stale values in the 32 x 32 blocks of a partial tile
+// it does not compute).
 using SoftmaxBf16Fn = void (*)(const TileArgs& t, float* row_max, float* row_sum, float* alpha,
                                uint16_t* p, int64_t ldpb);
 using ForwardTileFn = void (*)(const TileArgs& t, float* row_max, float* row_sum, float* alpha);

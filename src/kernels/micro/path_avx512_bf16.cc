@@ -265,10 +265,8 @@ RINGSPLASH_INLINE __m512 StripToBf16(const TileArgs& t, int64_t i0, int64_t nq, 
 // the step is abandoned, as the fused f32 tile's is: false, with row_sum and
 // alpha untouched (they are committed last) and t.pt intact, for the exact
 // step to redo P. The terms are positive, so a sum within the limit bounds
-// each of them too; until 7 Dec this step also tracked each query's largest
-// exponent against log2(kLazySumLimit / keys), a stricter test than the
-// contract asks that cost one vector max of ~16 instructions per 16 scores
-// (BM_SoftmaxBf16: 3.71 -> 3.42 us per 128 x 128 tile on the Xeon host).
+// each of them too: no test of each term's exponent is needed (one costs
+// ~8 % of the step, docs/perf/XEON_HOST.md).
 bool LazyStepBf16(const TileArgs& t, float* row_max, float* row_sum, float* alpha, uint16_t* p,
                   int64_t ldpb) {
   using avx512::LaneMask;
@@ -308,8 +306,11 @@ bool LazyStepBf16(const TileArgs& t, float* row_max, float* row_sum, float* alph
 // as in the f32 exact step (ExpStrip), whose exp of x - m_new this computes
 // as 2^(x log2 e - m_new log2 e), as the lazy step does. It replaces that
 // step's f32 P stored in place and TileToBf16's pass to round and transpose
-// it. False (nothing committed, t.pt intact) if a logit is +inf or NaN (a
-// product past f32's range): the f32 step then gives what it always gave.
+// it. False (nothing committed, t.pt intact) if a strip's largest logit is
+// +inf or NaN (a product past f32's range) or a sum overflows: the f32 step
+// then gives what it always gave. (A NaN logit that max_ps drops from the
+// max gives P ~ 2^-125 here, as in the lazy step, where the f32 step gives
+// ~e^-86: both negligible.)
 bool ExactStepBf16(const TileArgs& t, float* row_max, float* row_sum, float* alpha, uint16_t* p,
                    int64_t ldpb) {
   using avx512::Allowed16;
@@ -330,8 +331,8 @@ bool ExactStepBf16(const TileArgs& t, float* row_max, float* row_sum, float* alp
       if (t.mask != nullptr) x = _mm512_mask_blend_ps(Allowed16(t, j, i0), neg_inf, x);
       vmax = _mm512_max_ps(vmax, x);
     }
-    // max_ps returns its second operand when one is NaN: a NaN logit may be
-    // dropped from vmax, but then it reaches the sum below.
+    // max_ps returns its second operand when one is NaN, so a NaN logit may
+    // be dropped from vmax (and with it the max before it).
     if (_mm512_mask_cmp_ps_mask(live, vmax, _mm512_set1_ps(-avx512::kNegInf), _CMP_LT_OQ) != live) {
       return false;
     }
@@ -340,7 +341,8 @@ bool ExactStepBf16(const TileArgs& t, float* row_max, float* row_sum, float* alp
     const __mmask16 none = _mm512_cmp_ps_mask(m_new, neg_inf, _CMP_EQ_OQ);
     const __m512 shift = _mm512_mask_blend_ps(none, m_new, _mm512_setzero_ps());
     const __m512 sum = StripToBf16(t, i0, nq, c2, _mm512_mul_ps(shift, log2e), p, ldpb);
-    // Terms <= 1 (an exponent <= 0 up to rounding), so only a NaN fails.
+    // Terms <= 1 (exponents <= 0 up to rounding) unless a dropped NaN left
+    // m_new too low: an overflowing sum fails then.
     if (_mm512_mask_cmp_ps_mask(live, sum, _mm512_set1_ps(kLazySumLimit), _CMP_LE_OQ) != live) {
       return false;
     }

@@ -312,7 +312,8 @@ std::pair<int64_t, int64_t> RangeSpan(micro::KRanges ranges, int64_t r0, int64_t
 // outside its elements [ranges.lo[i], ranges.hi[i]) (TileMask's ranges:
 // P or dS rows of a partial tile): per panel of kBf16Panel rows, only the
 // pairs some row of it needs, in whole kBf16Panel-element steps. So only
-// exact zeros are left out (up to the sign of a zero sum); a panel that
+// exact zeros are left out (up to the sign of a zero sum, and 0 * inf = NaN
+// terms are not formed, as in GemmF32RangesFn); a panel that
 // needs none is zero with accumulate false and left as it is with true.
 // A null ranges.lo: the whole product, one call.
 void GemmBf16Panels(const micro::MicroKernels& mk, int64_t m, int64_t n, int64_t k2,
