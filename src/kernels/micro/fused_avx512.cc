@@ -167,8 +167,7 @@ void ExpStrip(const TileArgs& t, int64_t i0, __m512 vmax, float* row_max, float*
   const __mmask16 live = LaneMask(t.queries - i0);
   const __m512 old_max = _mm512_mask_loadu_ps(neg_inf, live, row_max + i0);
   const __m512 m_new = _mm512_max_ps(old_max, vmax);
-  const __mmask16 none = _mm512_cmp_ps_mask(m_new, neg_inf, _CMP_EQ_OQ);
-  const __m512 shift = _mm512_mask_blend_ps(none, m_new, _mm512_setzero_ps());
+  const __m512 shift = ExactShift(m_new);
   __m512 sum = _mm512_setzero_ps();
   for (int64_t j = 0; j < t.keys; ++j) {
     float* s = t.pt + j * t.ldp + i0;
@@ -176,11 +175,7 @@ void ExpStrip(const TileArgs& t, int64_t i0, __m512 vmax, float* row_max, float*
     _mm512_storeu_ps(s, p);
     sum = _mm512_add_ps(sum, p);
   }
-  const __m512 a = Exp512(_mm512_sub_ps(old_max, shift));
-  _mm512_mask_storeu_ps(alpha + i0, live, a);
-  const __m512 l = _mm512_fmadd_ps(a, _mm512_maskz_loadu_ps(live, row_sum + i0), sum);
-  _mm512_mask_storeu_ps(row_sum + i0, live, l);
-  _mm512_mask_storeu_ps(row_max + i0, live, m_new);
+  CommitExactStrip(i0, live, old_max, m_new, sum, row_max, row_sum, alpha);
 }
 
 }  // namespace

@@ -35,6 +35,27 @@ inline __mmask16 Allowed16(const TileArgs& t, int64_t j, int64_t i0) {
   return t.mask[j * t.ldm + i0 / 16];
 }
 
+// The exact step's shift for the new running max m_new of a strip: m_new,
+// or 0 for a query with nothing allowed yet (m_new = -inf), whose P and
+// alpha are then exp(-inf) = 0.
+inline __m512 ExactShift(__m512 m_new) {
+  const __mmask16 none = _mm512_cmp_ps_mask(m_new, _mm512_set1_ps(kNegInf), _CMP_EQ_OQ);
+  return _mm512_mask_blend_ps(none, m_new, _mm512_setzero_ps());
+}
+
+// The exact step's state update of the 16-query strip at i0 (SoftmaxColumnsFn),
+// for its live lanes, from the old max, the new one and the strip's sums of P:
+// alpha = exp(old_max - shift), row_sum = alpha row_sum + sum, row_max = m_new.
+// Shared by the f32 exact step and the bf16 one, so both update alike.
+inline void CommitExactStrip(int64_t i0, __mmask16 live, __m512 old_max, __m512 m_new, __m512 sum,
+                             float* row_max, float* row_sum, float* alpha) {
+  const __m512 a = Exp512(_mm512_sub_ps(old_max, ExactShift(m_new)));
+  _mm512_mask_storeu_ps(alpha + i0, live, a);
+  const __m512 l = _mm512_fmadd_ps(a, _mm512_maskz_loadu_ps(live, row_sum + i0), sum);
+  _mm512_mask_storeu_ps(row_sum + i0, live, l);
+  _mm512_mask_storeu_ps(row_max + i0, live, m_new);
+}
+
 // Walks C[rows x mp] in register blocks (6 rows x 64 lanes, then narrower),
 // has produce(acc, j0, first) fill each block (rows j0.., lanes first..) and
 // hands it to epi.Apply(acc, j0, first) instead of storing it. With mask

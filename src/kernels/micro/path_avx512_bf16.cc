@@ -338,9 +338,8 @@ bool ExactStepBf16(const TileArgs& t, float* row_max, float* row_sum, float* alp
     }
     const __m512 old_max = _mm512_mask_loadu_ps(neg_inf, live, row_max + i0);
     const __m512 m_new = _mm512_max_ps(old_max, vmax);
-    const __mmask16 none = _mm512_cmp_ps_mask(m_new, neg_inf, _CMP_EQ_OQ);
-    const __m512 shift = _mm512_mask_blend_ps(none, m_new, _mm512_setzero_ps());
-    const __m512 sum = StripToBf16(t, i0, nq, c2, _mm512_mul_ps(shift, log2e), p, ldpb);
+    const __m512 sum =
+        StripToBf16(t, i0, nq, c2, _mm512_mul_ps(avx512::ExactShift(m_new), log2e), p, ldpb);
     // Terms <= 1 (exponents <= 0 up to rounding) unless a dropped NaN left
     // m_new too low: an overflowing sum fails then.
     if (_mm512_mask_cmp_ps_mask(live, sum, _mm512_set1_ps(kLazySumLimit), _CMP_LE_OQ) != live) {
@@ -352,15 +351,8 @@ bool ExactStepBf16(const TileArgs& t, float* row_max, float* row_sum, float* alp
   for (int64_t i0 = 0; i0 < mp; i0 += 16) {
     const __mmask16 live = LaneMask(t.queries - i0);
     const __m512 old_max = _mm512_mask_loadu_ps(neg_inf, live, row_max + i0);
-    const __m512 m_new = _mm512_load_ps(maxima + i0);
-    const __mmask16 none = _mm512_cmp_ps_mask(m_new, neg_inf, _CMP_EQ_OQ);
-    const __m512 shift = _mm512_mask_blend_ps(none, m_new, _mm512_setzero_ps());
-    const __m512 a = Exp512(_mm512_sub_ps(old_max, shift));
-    _mm512_mask_storeu_ps(alpha + i0, live, a);
-    const __m512 l =
-        _mm512_fmadd_ps(a, _mm512_maskz_loadu_ps(live, row_sum + i0), _mm512_load_ps(sums + i0));
-    _mm512_mask_storeu_ps(row_sum + i0, live, l);
-    _mm512_mask_storeu_ps(row_max + i0, live, m_new);
+    avx512::CommitExactStrip(i0, live, old_max, _mm512_load_ps(maxima + i0),
+                             _mm512_load_ps(sums + i0), row_max, row_sum, alpha);
   }
   return true;
 }
